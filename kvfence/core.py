@@ -1,0 +1,137 @@
+"""Requests, sampling parameters and the errors every role speaks.
+
+Errors carry their HTTP status and OpenAI error fields, so whichever role
+raises one, the router can hand it to the client unchanged.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+def new_request_id() -> int:
+    """A 128-bit random request id: the owner stamped on every KV page."""
+    return secrets.randbits(128)
+
+
+class KvfenceError(Exception):
+    """An error with an HTTP status and OpenAI error-body fields."""
+
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(KvfenceError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, what: str = "context length") -> None:
+        super().__init__(
+            f"This model's maximum {what} is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or completion.",
+            param="messages",
+        )
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
+
+
+class AuthenticationError(KvfenceError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(KvfenceError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class ServiceUnavailable(KvfenceError):
+    status = 503
+    type = "service_unavailable"
+
+
+class IntegrityError(KvfenceError):
+    """A KV page failed verification (owner, epoch, coverage or checksum)."""
+
+    status = 500
+    type = "internal_error"
+    code = "kv_integrity"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 means greedy; top_k 0 means off."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    """One generation request as the engine sees it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant: str = "default"
+    rid: int = field(default_factory=new_request_id)
+    output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for a request: new tokens and text, and maybe its end."""
+
+    rid: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    error: KvfenceError | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

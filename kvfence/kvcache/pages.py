@@ -1,0 +1,189 @@
+"""Page bookkeeping for one KV pool: owners, epochs, fill counts, states.
+
+Plain Python and NumPy, no torch, so it can be tested and model-checked
+alone. The storage itself lives in ``pool.py`` and is never scrubbed: a page's
+bytes belong to whoever wrote them last, and only this table says whose they
+are now.
+
+Contracts:
+- ``grant`` hands out pages in free-queue order (FIFO: the page freed longest
+  ago goes first) and bumps each page's epoch; a grant is ``(page, epoch)``.
+- Only the owner may free or quarantine a page, and only under the epoch it
+  was granted with; anything else raises ``PageError``. A double free raises.
+- A quarantined page is never granted again until ``release_quarantine``.
+- ``check_integrity`` holds whenever no call is in progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+_MASK64 = (1 << 64) - 1
+
+
+class PageState(IntEnum):
+    FREE = 0
+    GRANTED = 1  # owned; nothing written yet
+    WRITING = 2  # a transfer into it may be in flight
+    READY = 3  # written and verified; decode may read it
+    QUARANTINED = 4  # a write may still land; never reused until released
+
+
+@dataclass(frozen=True)
+class PageGrant:
+    page: int
+    epoch: int
+
+
+class PageError(RuntimeError):
+    """A page operation broke the ownership rules (a bug, never user input)."""
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free pages for a grant; callers check ``can_grant`` first."""
+
+
+def _split(owner: int) -> tuple[int, int]:
+    return owner >> 64, owner & _MASK64
+
+
+class PageTable:
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.owner_hi = np.zeros(num_pages, dtype=np.uint64)
+        self.owner_lo = np.zeros(num_pages, dtype=np.uint64)
+        self.epoch = np.zeros(num_pages, dtype=np.uint64)
+        self.filled = np.zeros(num_pages, dtype=np.int32)
+        self.state = np.full(num_pages, PageState.FREE, dtype=np.uint8)
+        self.quarantine_reason: dict[int, str] = {}
+        self._free: deque[int] = deque(range(num_pages))
+
+    # -- queries -----------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_quarantined(self) -> int:
+        return len(self.quarantine_reason)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free - self.num_quarantined
+
+    def can_grant(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def owner_of(self, page: int) -> int:
+        return (int(self.owner_hi[page]) << 64) | int(self.owner_lo[page])
+
+    # -- transitions ---------------------------------------------------------
+
+    def grant(self, owner: int, n: int) -> list[PageGrant]:
+        """Give ``n`` free pages to ``owner``; each gets a fresh epoch."""
+        if owner == 0:
+            raise PageError("owner 0 means 'no owner' and cannot hold pages")
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+        hi, lo = _split(owner)
+        grants = []
+        for _ in range(n):
+            page = self._free.popleft()
+            self.epoch[page] += 1
+            self.owner_hi[page], self.owner_lo[page] = hi, lo
+            self.filled[page] = 0
+            self.state[page] = PageState.GRANTED
+            grants.append(PageGrant(page, int(self.epoch[page])))
+        return grants
+
+    def set_state(self, owner: int, grants: list[PageGrant], state: PageState) -> None:
+        """Move owned pages to GRANTED, WRITING or READY."""
+        if state in (PageState.FREE, PageState.QUARANTINED):
+            raise PageError("use free() or quarantine()")
+        for g in grants:
+            self._check_owned(owner, g)
+            self.state[g.page] = state
+
+    def set_filled(self, owner: int, grant: PageGrant, tokens: int) -> None:
+        self._check_owned(owner, grant)
+        self.filled[grant.page] = tokens
+
+    def free(self, owner: int, grants: list[PageGrant]) -> None:
+        """Return pages to the back of the free queue. Raises on a page not held by ``owner``."""
+        for g in grants:
+            self._check_owned(owner, g)
+        for g in grants:
+            self._clear(g.page)
+            self.state[g.page] = PageState.FREE
+            self._free.append(g.page)
+
+    def quarantine(self, owner: int, grants: list[PageGrant], reason: str) -> None:
+        """Take pages out of circulation: a write into them may still land."""
+        for g in grants:
+            self._check_owned(owner, g)
+        for g in grants:
+            self._clear(g.page)
+            self.state[g.page] = PageState.QUARANTINED
+            self.quarantine_reason[g.page] = reason
+
+    def release_quarantine(self, page: int) -> None:
+        """The writer is known finished or gone: the page may be granted again."""
+        if self.state[page] != PageState.QUARANTINED:
+            raise PageError(f"page {page} is not quarantined")
+        del self.quarantine_reason[page]
+        self.state[page] = PageState.FREE
+        self._free.append(page)
+
+    # -- verification --------------------------------------------------------
+
+    def verify(self, pages: np.ndarray, owner_hi: np.ndarray, owner_lo: np.ndarray, epochs: np.ndarray) -> np.ndarray:
+        """Vectorised tag check: a bool per page, True where owner and epoch match and the page is held."""
+        state = self.state[pages]
+        return (
+            (self.owner_hi[pages] == owner_hi)
+            & (self.owner_lo[pages] == owner_lo)
+            & (self.epoch[pages] == epochs)
+            & (state >= PageState.GRANTED)
+            & (state <= PageState.READY)
+        )
+
+    def check_integrity(self) -> None:
+        """Raise ``PageError`` unless every page is in exactly one consistent place."""
+        free = list(self._free)
+        if len(set(free)) != len(free):
+            raise PageError("a page is in the free queue twice")
+        states = self.state
+        n_free = int((states == PageState.FREE).sum())
+        n_quarantined = int((states == PageState.QUARANTINED).sum())
+        held = (states >= PageState.GRANTED) & (states <= PageState.READY)
+        n_held = int(held.sum())
+        if n_free != len(free) or any(states[p] != PageState.FREE for p in free):
+            raise PageError("free queue and page states disagree")
+        if n_quarantined != len(self.quarantine_reason):
+            raise PageError("quarantined pages without a recorded reason")
+        if n_free + n_held + n_quarantined != self.num_pages:
+            raise PageError("free + held + quarantined != total")
+        unowned = (self.owner_hi == 0) & (self.owner_lo == 0)
+        if np.any(unowned & held):
+            raise PageError("a held page has no owner")
+
+    # -- internals -----------------------------------------------------------
+
+    def _check_owned(self, owner: int, grant: PageGrant) -> None:
+        page = grant.page
+        if not 0 <= page < self.num_pages:
+            raise PageError(f"page {page} out of range")
+        state = PageState(self.state[page])
+        if state in (PageState.FREE, PageState.QUARANTINED):
+            raise PageError(f"page {page} is {state.name.lower()}, not held (double free?)")
+        if self.owner_of(page) != owner or int(self.epoch[page]) != grant.epoch:
+            raise PageError(f"page {page} epoch {grant.epoch} is not held by {owner:032x}")
+
+    def _clear(self, page: int) -> None:
+        self.owner_hi[page] = self.owner_lo[page] = 0
+        self.filled[page] = 0
