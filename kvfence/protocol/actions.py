@@ -1,0 +1,62 @@
+"""What protocol cores ask their IO loops to do. Cores never act themselves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfence.core import KvfenceError
+from kvfence.kvcache.pages import PageGrant
+from kvfence.protocol.messages import Message, Output
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``msg`` to the process with id ``to``."""
+
+    to: str
+    msg: Message
+
+
+@dataclass(frozen=True)
+class StartDecode:
+    """Decode: the prompt's KV landed and verified; the engine takes over these pages and decodes."""
+
+    rid: int
+    grants: list[PageGrant]
+    first_token: int
+
+
+@dataclass(frozen=True)
+class StopDecode:
+    """Decode: drop the request from the engine, which frees its pages."""
+
+    rid: int
+
+
+@dataclass(frozen=True)
+class StartPrefill:
+    """Prefill: compute the prompt and write its KV and tags into ``dest`` pages of ``decode``."""
+
+    rid: int
+    prompt_ids: list[int]
+    dest: list[tuple[int, int]]
+    decode: str
+
+
+@dataclass(frozen=True)
+class StopPrefill:
+    """Prefill: stop computing early; report back once no write can still land."""
+
+    rid: int
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Router: hand an output (or the request's error) to its client."""
+
+    rid: int
+    output: Output | None = None
+    error: KvfenceError | None = None
+
+
+Action = Send | StartDecode | StopDecode | StartPrefill | StopPrefill | Deliver

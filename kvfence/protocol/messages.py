@@ -1,0 +1,193 @@
+"""Every control message between router, prefill and decode, and their one codec.
+
+Messages are tagged msgspec structs encoded as JSON (request ids are 128-bit,
+beyond msgpack's integers). ``decode_message`` rejects anything unknown,
+truncated or malformed with ``BadMessage``; a worker logs and drops it.
+
+Flow (decode first, as in DESIGN section 4):
+
+    router  --Admit-->    decode   --Dest-->   prefill
+    router  --Prefill-->  prefill  ==KV pages + tags==> decode pool
+                          prefill  --Done/Fail--> decode
+    decode  --Output...-> router                      (tokens, then the end)
+    any leg --Reject-->   router                      (and Fail/Cancel to its peer)
+    router  --Cancel-->   decode   --Abort--> prefill --AbortAck--> decode
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from kvfence.core import KvfenceError, SamplingParams
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    """A KvfenceError on the wire: status and OpenAI error fields."""
+
+    status: int
+    type: str
+    message: str
+    code: str | None = None
+    param: str | None = None
+
+    @classmethod
+    def of(cls, err: KvfenceError) -> ErrorInfo:
+        return cls(err.status, err.type, err.message, err.code, err.param)
+
+    def to_error(self) -> KvfenceError:
+        err = KvfenceError(self.message, param=self.param, code=self.code)
+        err.status, err.type = self.status, self.type
+        return err
+
+
+class Params(msgspec.Struct, frozen=True):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @classmethod
+    def of(cls, p: SamplingParams) -> Params:
+        return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.ignore_eos)
+
+    def to_sampling(self) -> SamplingParams:
+        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed, self.stop,
+                              self.ignore_eos)
+
+
+class Msg(msgspec.Struct, frozen=True, tag=True):
+    """Base of every control message."""
+
+
+class RequestMsg(Msg, frozen=True):
+    """A message about one request."""
+
+    rid: int
+
+
+# -- router -> workers --------------------------------------------------------
+
+
+class Admit(RequestMsg, frozen=True):
+    """Router -> decode: grant pages for this prompt and tell ``prefill`` where to write."""
+
+    tenant: str
+    prompt_ids: list[int]
+    params: Params
+    prefill: str  # the prefill worker's id
+
+
+class Prefill(RequestMsg, frozen=True):
+    """Router -> prefill: compute this prompt's KV into the pages ``decode`` will name in a Dest."""
+
+    tenant: str
+    prompt_ids: list[int]
+    params: Params
+    decode: str  # the decode worker's id
+
+
+class Cancel(RequestMsg, frozen=True):
+    """Router -> worker: the client is gone; end the request (safely)."""
+
+
+# -- decode <-> prefill -----------------------------------------------------------
+
+
+class Dest(RequestMsg, frozen=True):
+    """Decode -> prefill: write exactly ``expected_tokens`` tokens of KV into these (page, epoch) grants."""
+
+    pages: list[tuple[int, int]]
+    expected_tokens: int
+
+
+class Done(RequestMsg, frozen=True):
+    """Prefill -> decode: every write has landed; no further write follows."""
+
+    tokens: int
+    checksum: int
+    first_token: int
+
+
+class Fail(RequestMsg, frozen=True):
+    """Either leg -> its peer: this request failed; from prefill it promises no write follows."""
+
+    error: ErrorInfo
+
+
+class Abort(RequestMsg, frozen=True):
+    """Decode -> prefill: stop; answer AbortAck once no write of yours can still land."""
+
+
+class AbortAck(RequestMsg, frozen=True):
+    """Prefill -> decode: no write for this request is in flight or will be issued."""
+
+
+# -- workers -> router --------------------------------------------------------------
+
+
+class Output(RequestMsg, frozen=True):
+    """Decode -> router: new tokens and text; ``finish_reason`` set on the last."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Reject(RequestMsg, frozen=True):
+    """Worker -> router: this request failed here; the client gets ``error``."""
+
+    error: ErrorInfo
+    worker: str = ""
+
+
+# -- liveness and load ------------------------------------------------------------
+
+
+class Hello(Msg, frozen=True):
+    """Worker -> router, at start and every heartbeat: who I am, where I listen, how loaded I am."""
+
+    worker: str
+    role: str  # "prefill" | "decode"
+    control: str  # ZeroMQ address this worker's inbox is bound to
+    data: dict  # data-plane descriptor (decode: its KV target; prefill: {})
+    pool_tokens: int
+    max_context: int
+    free_pages: int = 0
+    queued_tokens: int = 0
+    running: int = 0
+
+
+Message = Union[Admit, Prefill, Cancel, Dest, Done, Fail, Abort, AbortAck, Output, Reject, Hello]  # noqa: UP007
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """What travels: the sender's id and one message."""
+
+    sender: str
+    msg: Message
+
+
+class BadMessage(ValueError):
+    """Bytes that are not a valid Envelope."""
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Envelope)
+
+
+def encode_message(sender: str, msg: Message) -> bytes:
+    return _encoder.encode(Envelope(sender, msg))
+
+
+def decode_message(data: bytes) -> Envelope:
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadMessage(str(exc)) from exc

@@ -1,0 +1,198 @@
+"""Prefill's protocol core: pairs each prompt with decode's Dest, starts compute, reports the end.
+
+Sans-IO: ``handle`` (a message), ``tick`` (time), ``computed``,
+``compute_failed`` and ``peer_down`` go in; actions come out.
+
+Per request: WAIT_DEST (prompt here, no Dest yet) or WAIT_PREFILL (Dest
+came first) -> COMPUTING -> ends with Done; an Abort while computing moves it
+to ABORTING, which ends with AbortAck once the runner reports that no write
+can still land.
+
+Contracts:
+- Done, Fail and AbortAck are each sent only when no write for the request
+  is in flight or will be issued (with L6 on).
+- An over-length prompt is rejected before compute and before any write (L1):
+  Reject to the router and Fail to decode, so decode frees its pages.
+- A Dest whose expected length differs from the real prompt is refused (L4).
+- An Abort or Dest for a request this worker does not know is answered at
+  once (AbortAck, or Fail after a grace period), so decode never waits in vain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import msgspec
+
+from kvfence.core import ContextLengthExceeded, IntegrityError, KvfenceError, ServiceUnavailable
+from kvfence.protocol.actions import Action, Send, StartPrefill, StopPrefill
+from kvfence.protocol.messages import Abort, AbortAck, Dest, Done, ErrorInfo, Fail, Message, Prefill, Reject
+from kvfence.safety import Safety
+
+
+class PState(Enum):
+    WAIT_DEST = "wait_dest"
+    WAIT_PREFILL = "wait_prefill"
+    COMPUTING = "computing"
+    ABORTING = "aborting"  # computing, Abort received: ack when the runner stops
+    ACKED = "acked"  # computing, but already acked (only without L6: the unsafe path)
+
+
+@dataclass
+class PrefillReq:
+    rid: int
+    decode: str  # who sent or will send the Dest
+    msg: Prefill | None = None
+    dest: Dest | None = None
+    state: PState = PState.WAIT_DEST
+    deadline: float = 0.0
+
+
+@dataclass(frozen=True)
+class PrefillLimits:
+    max_context: int
+    pool_tokens: int
+    page_size: int
+    dest_timeout: float = 30.0  # Prefill -> Dest
+    orphan_dest_timeout: float = 5.0  # Dest with no Prefill yet
+
+
+class PrefillCore:
+    def __init__(self, me: str, router: str, limits: PrefillLimits, safety: Safety,
+                 emulate_incident: bool = False) -> None:
+        self.me, self.router, self.limits, self.safety = me, router, limits, safety
+        self.emulate_incident = emulate_incident
+        self.reqs: dict[int, PrefillReq] = {}
+
+    def handle(self, sender: str, msg: Message, now: float) -> list[Action]:
+        match msg:
+            case Prefill():
+                return self._prefill(msg, now)
+            case Dest():
+                return self._dest(sender, msg, now)
+            case Abort():
+                return self._abort(sender, msg.rid)
+            case Fail():
+                return self._peer_failed(sender, msg.rid)
+        return []
+
+    def tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for req in list(self.reqs.values()):
+            if now < req.deadline:
+                continue
+            if req.state is PState.WAIT_DEST:
+                err = ServiceUnavailable(f"decode worker {req.decode} never assigned KV pages")
+                actions.append(self._reject(req.rid, err))
+                del self.reqs[req.rid]
+            elif req.state is PState.WAIT_PREFILL:
+                err = KvfenceError("no such request on this prefill worker")
+                actions.append(Send(req.decode, Fail(req.rid, ErrorInfo.of(err))))
+                del self.reqs[req.rid]
+        return actions
+
+    def computed(self, rid: int, tokens: int, checksum: int, first_token: int) -> list[Action]:
+        """The runner finished: every write has landed."""
+        req = self.reqs.pop(rid)
+        if req.state is PState.COMPUTING:
+            return [Send(req.decode, Done(rid, tokens, checksum, first_token))]
+        if req.state is PState.ABORTING:
+            return [Send(req.decode, AbortAck(rid))]
+        return []
+
+    def compute_failed(self, rid: int, err: KvfenceError) -> list[Action]:
+        """The runner gave up (e.g. the data plane broke); no write of this request can still land."""
+        req = self.reqs.pop(rid)
+        if req.state is PState.ABORTING:
+            return [Send(req.decode, AbortAck(rid))]
+        if req.state is PState.ACKED:
+            return []
+        return [Send(req.decode, Fail(rid, ErrorInfo.of(err))), self._reject(rid, err)]
+
+    def peer_down(self, worker: str) -> list[Action]:
+        """Decode ``worker`` died: stop work for it and tell the router."""
+        actions: list[Action] = []
+        for req in list(self.reqs.values()):
+            if req.decode != worker:
+                continue
+            if req.state is PState.COMPUTING:
+                req.state = PState.ACKED
+                actions += [StopPrefill(req.rid), self._reject(req.rid, ServiceUnavailable(f"{worker} died"))]
+            elif req.state in (PState.WAIT_DEST, PState.WAIT_PREFILL):
+                if req.msg is not None:
+                    actions.append(self._reject(req.rid, ServiceUnavailable(f"decode worker {worker} died")))
+                del self.reqs[req.rid]
+        return actions
+
+    # -- events -------------------------------------------------------------------
+
+    def _prefill(self, msg: Prefill, now: float) -> list[Action]:
+        req = self.reqs.get(msg.rid)
+        if req is not None and req.msg is not None:
+            return []  # duplicate
+        err = self._admission_error(msg)
+        if err is not None:
+            if self.emulate_incident and not self.safety.admission:
+                msg = msgspec.structs.replace(msg, prompt_ids=[0])  # the incident: a 1-token placeholder that still "completes"
+            elif self.safety.admission:
+                self.reqs.pop(msg.rid, None)
+                return [self._reject(msg.rid, err), Send(msg.decode, Fail(msg.rid, ErrorInfo.of(err)))]
+        if req is None:
+            self.reqs[msg.rid] = PrefillReq(msg.rid, msg.decode, msg, deadline=now + self.limits.dest_timeout)
+            return []
+        req.msg = msg
+        return self._start(req)
+
+    def _admission_error(self, msg: Prefill) -> KvfenceError | None:
+        n = len(msg.prompt_ids)
+        if n + msg.params.max_tokens > self.limits.max_context:
+            return ContextLengthExceeded(n, msg.params.max_tokens, self.limits.max_context)
+        if n > self.limits.pool_tokens:
+            return ContextLengthExceeded(n, 0, self.limits.pool_tokens, "prefill KV pool")
+        return None
+
+    def _dest(self, sender: str, msg: Dest, now: float) -> list[Action]:
+        req = self.reqs.get(msg.rid)
+        if req is None:
+            deadline = now + self.limits.orphan_dest_timeout
+            self.reqs[msg.rid] = PrefillReq(msg.rid, sender, dest=msg, state=PState.WAIT_PREFILL, deadline=deadline)
+            return []
+        if req.state is not PState.WAIT_DEST or sender != req.decode:
+            return []  # duplicate or foreign
+        req.dest = msg
+        return self._start(req)
+
+    def _start(self, req: PrefillReq) -> list[Action]:
+        assert req.msg is not None and req.dest is not None
+        n, dest = len(req.msg.prompt_ids), req.dest
+        room = len(dest.pages) * self.limits.page_size
+        if (dest.expected_tokens != n or room < n) and self.safety.coverage:
+            del self.reqs[req.rid]
+            err = IntegrityError(f"decode expects {dest.expected_tokens} tokens in {room} slots; the prompt has {n}")
+            return [Send(req.decode, Fail(req.rid, ErrorInfo.of(err))), self._reject(req.rid, err)]
+        req.state = PState.COMPUTING
+        return [StartPrefill(req.rid, req.msg.prompt_ids, dest.pages, req.decode)]
+
+    def _abort(self, sender: str, rid: int) -> list[Action]:
+        req = self.reqs.get(rid)
+        if req is None or req.state in (PState.WAIT_DEST, PState.WAIT_PREFILL):
+            self.reqs.pop(rid, None)
+            return [Send(sender, AbortAck(rid))]
+        if req.state is not PState.COMPUTING:
+            return []
+        if self.safety.deferred_release:
+            req.state = PState.ABORTING
+            return [StopPrefill(rid)]
+        req.state = PState.ACKED  # unsafe: acknowledges while writes may still land
+        return [StopPrefill(rid), Send(sender, AbortAck(rid))]
+
+    def _peer_failed(self, sender: str, rid: int) -> list[Action]:
+        """Decode failed the request before sending a Dest (e.g. its own admission)."""
+        req = self.reqs.get(rid)
+        if req is not None and req.decode == sender and req.state in (PState.WAIT_DEST, PState.WAIT_PREFILL):
+            del self.reqs[rid]
+        return []
+
+    def _reject(self, rid: int, err: KvfenceError) -> Send:
+        return Send(self.router, Reject(rid, ErrorInfo.of(err), self.me))

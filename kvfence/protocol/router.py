@@ -1,0 +1,184 @@
+"""Router's protocol core: admission, pairing, and turning worker messages into client results.
+
+Sans-IO: ``submit``, ``client_gone``, ``handle``, ``worker_up`` and
+``worker_down`` go in; ``Send`` and ``Deliver`` actions come out.
+
+Per request: HANDOFF (sent to a prefill/decode pair, no token yet) ->
+STREAMING (tokens arriving) -> ended.
+
+Contracts:
+- Over-length input is rejected before anything is sent to a worker (L1).
+- An error from either leg ends the request with that error (L2); a request
+  that any leg rejected never delivers a token afterwards.
+- A client that leaves during HANDOFF has its cancel held back until the
+  handoff ends (L7), so no KV transfer is torn down mid-flight.
+- Every request ends exactly once: with a finished output or an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kvfence.core import ContextLengthExceeded, KvfenceError, Request, ServiceUnavailable
+from kvfence.protocol.actions import Action, Deliver, Send
+from kvfence.protocol.messages import Admit, Cancel, Hello, Message, Output, Params, Prefill, Reject
+from kvfence.safety import Safety
+
+
+class RState(Enum):
+    HANDOFF = "handoff"
+    STREAMING = "streaming"
+
+
+@dataclass
+class RouterReq:
+    rid: int
+    tenant: str
+    prefill: str
+    decode: str
+    state: RState = RState.HANDOFF
+    cancel_pending: bool = False
+
+
+@dataclass
+class WorkerInfo:
+    """What the router knows of a live worker, from its latest Hello."""
+
+    hello: Hello
+    in_flight: int = 0
+
+
+class RouterCore:
+    def __init__(self, me: str, max_context: int, safety: Safety) -> None:
+        self.me, self.max_context, self.safety = me, max_context, safety
+        self.reqs: dict[int, RouterReq] = {}
+        self.workers: dict[str, WorkerInfo] = {}
+
+    # -- clients -----------------------------------------------------------------
+
+    def submit(self, req: Request) -> list[Action]:
+        """A client's request, tokenized. Either sends it to a pair, or delivers its error at once."""
+        err = self._admission_error(req)
+        if err is None:
+            pair = self._pick_pair(req)
+            if pair is None:
+                err = ServiceUnavailable("No prefill/decode worker pair is available; try again shortly.")
+        if err is not None:
+            return [Deliver(req.rid, error=err)]
+        prefill, decode = pair
+        self.reqs[req.rid] = RouterReq(req.rid, req.tenant, prefill, decode)
+        self.workers[prefill].in_flight += 1
+        self.workers[decode].in_flight += 1
+        params = Params.of(req.params)
+        return [
+            Send(decode, Admit(req.rid, req.tenant, req.prompt_ids, params, prefill)),
+            Send(prefill, Prefill(req.rid, req.tenant, req.prompt_ids, params, decode)),
+        ]
+
+    def client_gone(self, rid: int) -> list[Action]:
+        req = self.reqs.get(rid)
+        if req is None:
+            return []
+        if req.state is RState.HANDOFF and self.safety.deferred_abort:
+            req.cancel_pending = True  # L7: cancel once the handoff has ended
+            return []
+        self._end(req)
+        return [Send(req.decode, Cancel(rid))]
+
+    # -- workers -----------------------------------------------------------------
+
+    def handle(self, sender: str, msg: Message) -> list[Action]:
+        match msg:
+            case Output():
+                return self._output(sender, msg)
+            case Reject():
+                return self._reject(sender, msg)
+            case Hello():
+                return self.worker_up(msg)
+        return []
+
+    def worker_up(self, hello: Hello) -> list[Action]:
+        info = self.workers.get(hello.worker)
+        if info is None:
+            self.workers[hello.worker] = WorkerInfo(hello)
+        else:
+            info.hello = hello
+        return []
+
+    def worker_down(self, worker: str) -> list[Action]:
+        """``worker`` died: its requests end with a 503 now; their other legs are cancelled."""
+        self.workers.pop(worker, None)
+        actions: list[Action] = []
+        for req in list(self.reqs.values()):
+            if worker in (req.prefill, req.decode):
+                self._end(req)
+                actions.append(Deliver(req.rid, error=ServiceUnavailable(f"worker {worker} died")))
+                if req.decode != worker:
+                    actions.append(Send(req.decode, Cancel(req.rid)))
+        return actions
+
+    # -- internals ---------------------------------------------------------------
+
+    def _output(self, sender: str, msg: Output) -> list[Action]:
+        req = self.reqs.get(msg.rid)
+        if req is None or sender != req.decode:
+            return []
+        actions: list[Action] = []
+        if req.cancel_pending:  # the client left during the handoff, which has now ended
+            self._end(req)
+            if msg.finish_reason is None:
+                actions.append(Send(req.decode, Cancel(req.rid)))
+            return actions
+        req.state = RState.STREAMING
+        if msg.finish_reason is not None:
+            self._end(req)
+        return [Deliver(msg.rid, output=msg)]
+
+    def _reject(self, sender: str, msg: Reject) -> list[Action]:
+        req = self.reqs.get(msg.rid)
+        if req is None or sender not in (req.prefill, req.decode):
+            return []
+        if sender == req.prefill and not self.safety.propagation:
+            return []  # unsafe: like the incident's balancer, only the decode leg's status counts
+        self._end(req)
+        if req.cancel_pending:
+            return []
+        actions: list[Action] = [Deliver(req.rid, error=msg.error.to_error())]
+        if sender == req.prefill:
+            actions.append(Send(req.decode, Cancel(req.rid)))
+        return actions
+
+    def _end(self, req: RouterReq) -> None:
+        del self.reqs[req.rid]
+        for w in (req.prefill, req.decode):
+            if w in self.workers:
+                self.workers[w].in_flight -= 1
+
+    def _admission_error(self, req: Request) -> KvfenceError | None:
+        """L1 at the router: the context, and the largest pools any pair offers."""
+        if not self.safety.admission:
+            return None
+        n, m = req.prompt_len, req.params.max_tokens
+        if n + m > self.max_context:
+            return ContextLengthExceeded(n, m, self.max_context)
+        decodes = [w.hello.pool_tokens for w in self.workers.values() if w.hello.role == "decode"]
+        prefills = [w.hello.pool_tokens for w in self.workers.values() if w.hello.role == "prefill"]
+        if decodes and n + m > max(decodes):
+            return ContextLengthExceeded(n, m, max(decodes), "decode KV pool")
+        if prefills and n > max(prefills):
+            return ContextLengthExceeded(n, 0, max(prefills), "prefill KV pool")
+        return None
+
+    def _pick_pair(self, req: Request) -> tuple[str, str] | None:
+        """Least-loaded prefill by queued tokens, decode by free pages, among those that fit the request."""
+        n, m = req.prompt_len, req.params.max_tokens
+        prefills = [w for w in self.workers.values() if w.hello.role == "prefill" and
+                    (n <= w.hello.pool_tokens or not self.safety.admission)]
+        decodes = [w for w in self.workers.values() if w.hello.role == "decode" and
+                   (n + m <= w.hello.pool_tokens or not self.safety.admission)]
+        if not prefills or not decodes:
+            return None
+        prefill = min(prefills, key=lambda w: (w.hello.queued_tokens + w.in_flight * n, w.hello.worker))
+        decode = min(decodes, key=lambda w: (-w.hello.free_pages + w.in_flight, w.hello.worker))
+        return prefill.hello.worker, decode.hello.worker

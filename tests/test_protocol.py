@@ -1,0 +1,308 @@
+"""The sans-IO protocol cores, fed messages directly; each test asserts the exact messages and actions out."""
+
+from kvfence.core import ContextLengthExceeded, Request, SamplingParams
+from kvfence.kvcache.pages import PageGrant, PageState, PageTable
+from kvfence.protocol.actions import Deliver, Send, StartDecode, StartPrefill, StopDecode, StopPrefill
+from kvfence.protocol.decode import DecodeCore, DecodeLimits
+from kvfence.protocol.messages import (
+    Abort,
+    AbortAck,
+    Admit,
+    Cancel,
+    Dest,
+    Done,
+    ErrorInfo,
+    Fail,
+    Hello,
+    Output,
+    Params,
+    Prefill,
+    Reject,
+)
+from kvfence.protocol.prefill import PrefillCore, PrefillLimits
+from kvfence.protocol.router import RouterCore
+from kvfence.safety import Safety
+
+R, P, D = "router", "prefill-0", "decode-0"
+RID = 0xFEED_0000_0000_0000_0000_0000_0000_0001
+SAFE = Safety()
+
+
+def unsafe(*layers: str) -> Safety:
+    return Safety.from_env(",".join(layers))
+
+
+# -- decode ------------------------------------------------------------------------
+
+
+def decode_core(pages: int = 4, safety: Safety = SAFE, verdict: str | None = None) -> DecodeCore:
+    limits = DecodeLimits(max_context=64, page_size=4, handoff_timeout=30, abort_timeout=10)
+    return DecodeCore(D, R, PageTable(pages), limits, safety, verify=lambda rid, grants, done: verdict)
+
+
+def admit(n: int = 6, max_tokens: int = 2, rid: int = RID) -> Admit:
+    return Admit(rid, "tenant-a", list(range(1, n + 1)), Params(max_tokens), P)
+
+
+def test_decode_happy_path_grants_exact_pages_then_starts_decoding():
+    core = decode_core()
+    assert core.handle(R, admit(6), now=0) == [Send(P, Dest(RID, [(0, 1), (1, 1)], 6))]
+    assert core.pages.state[:2].tolist() == [PageState.WRITING] * 2
+    out = core.handle(P, Done(RID, tokens=6, checksum=1, first_token=42), now=1)
+    assert out == [StartDecode(RID, [PageGrant(0, 1), PageGrant(1, 1)], 42)]
+    assert core.pages.state[:2].tolist() == [PageState.READY] * 2
+
+
+def test_decode_rejects_over_length_before_any_grant():
+    core = decode_core()
+    out = core.handle(R, admit(60, max_tokens=10), now=0)
+    assert [type(a.msg) for a in out] == [Reject, Fail] and [a.to for a in out] == [R, P]
+    assert out[0].msg.error.code == "context_length_exceeded"
+    assert core.pages.num_free == 4 and core.reqs == {}
+
+
+def test_decode_admission_off_lets_over_length_through():
+    core = decode_core(pages=16, safety=unsafe("admission"))
+    out = core.handle(R, admit(60, max_tokens=10), now=0)
+    assert [type(a.msg) for a in out] == [Dest]
+
+
+def test_decode_coverage_mismatch_quarantines_and_fails_with_500():
+    core = decode_core()
+    core.handle(R, admit(6), now=0)
+    out = core.handle(P, Done(RID, tokens=1, checksum=0, first_token=7), now=1)
+    assert len(out) == 1 and out[0].to == R and out[0].msg.error.status == 500
+    assert core.pages.quarantine_reason == {0: "1 tokens written, 6 expected", 1: "1 tokens written, 6 expected"}
+    core.pages.check_integrity()
+
+
+def test_decode_coverage_off_decodes_a_short_transfer():
+    core = decode_core(safety=unsafe("coverage"))
+    core.handle(R, admit(6), now=0)
+    out = core.handle(P, Done(RID, tokens=1, checksum=0, first_token=7), now=1)
+    assert isinstance(out[0], StartDecode)
+
+
+def test_decode_verifier_failure_blocks_decoding():
+    core = decode_core(verdict="page 1: owner mismatch")
+    core.handle(R, admit(6), now=0)
+    out = core.handle(P, Done(RID, 6, 0, 7), now=1)
+    assert out[0].msg.error.code == "kv_integrity" and "owner mismatch" in out[0].msg.error.message
+    assert core.pages.num_quarantined == 2
+
+
+def test_decode_cancel_mid_transfer_waits_for_abort_ack():
+    core = decode_core()
+    core.handle(R, admit(6), now=0)
+    assert core.handle(R, Cancel(RID), now=1) == [Send(P, Abort(RID))]
+    assert core.pages.num_free == 2  # still held: a write may land
+    assert core.handle(P, AbortAck(RID), now=2) == []
+    assert core.pages.num_free == 4 and core.reqs == {}
+
+
+def test_decode_deferred_release_off_frees_pages_while_write_may_land():
+    core = decode_core(safety=unsafe("deferred_release"))
+    core.handle(R, admit(6), now=0)
+    core.handle(R, Cancel(RID), now=1)
+    assert core.pages.num_free == 4
+
+
+def test_decode_done_racing_abort_also_ends_it():
+    core = decode_core()
+    core.handle(R, admit(6), now=0)
+    core.handle(R, Cancel(RID), now=1)
+    assert core.handle(P, Done(RID, 6, 0, 7), now=2) == []
+    assert core.pages.num_free == 4
+    assert core.handle(P, AbortAck(RID), now=3) == []  # the ack that follows is harmless
+
+
+def test_decode_silent_writer_pages_are_quarantined_until_it_answers():
+    core = decode_core()
+    core.handle(R, admit(6), now=0)
+    out = core.tick(now=31)
+    assert out[0].to == R and out[0].msg.error.status == 503 and out[1] == Send(P, Abort(RID))
+    assert core.tick(now=42) == []
+    assert core.pages.num_quarantined == 2 and core.reqs == {}
+    core.pages.check_integrity()
+    core.handle(P, AbortAck(RID), now=50)  # the writer finally speaks: pages come back
+    assert core.pages.num_free == 4 and core.pages.num_quarantined == 0
+
+
+def test_decode_waits_for_pages_then_grants_in_order():
+    core = decode_core(pages=2)
+    other = RID + 1
+    core.handle(R, admit(6, rid=RID), now=0)  # 2 pages: the whole pool
+    assert core.handle(R, admit(4, rid=other), now=0) == []  # pool full: waits
+    core.handle(P, Fail(RID, ErrorInfo(400, "invalid_request_error", "no")), now=1)
+    assert core.reqs[other].grants == [PageGrant(0, 2)]
+
+
+def test_decode_fail_from_prefill_is_forwarded_and_frees_pages():
+    core = decode_core()
+    core.handle(R, admit(6), now=0)
+    err = ErrorInfo(400, "invalid_request_error", "too long", "context_length_exceeded")
+    assert core.handle(P, Fail(RID, err), now=1) == [Send(R, Reject(RID, err, D))]
+    assert core.pages.num_free == 4
+
+
+def test_decode_ignores_done_from_a_stranger():
+    core = decode_core()
+    core.handle(R, admit(6), now=0)
+    assert core.handle("prefill-9", Done(RID, 6, 0, 7), now=1) == []
+    assert core.reqs[RID].grants
+
+
+def test_decode_cancel_while_decoding_stops_the_engine():
+    core = decode_core()
+    core.handle(R, admit(6), now=0)
+    core.handle(P, Done(RID, 6, 0, 7), now=1)
+    assert core.handle(R, Cancel(RID), now=2) == [StopDecode(RID)]
+
+
+def test_decode_prefill_death_releases_and_reports():
+    core = decode_core()
+    core.handle(R, admit(6), now=0)
+    out = core.peer_down(P, now=1)
+    assert out[0].msg.error.status == 503 and core.pages.num_free == 4
+
+
+# -- prefill ------------------------------------------------------------------------
+
+
+def prefill_core(safety: Safety = SAFE, incident: bool = False, pool: int = 32) -> PrefillCore:
+    return PrefillCore(P, R, PrefillLimits(max_context=64, pool_tokens=pool, page_size=4), safety, incident)
+
+
+def prefill(n: int = 6, max_tokens: int = 2) -> Prefill:
+    return Prefill(RID, "tenant-a", list(range(1, n + 1)), Params(max_tokens), D)
+
+
+def test_prefill_happy_path_in_either_order():
+    for first, second in ((prefill(), Dest(RID, [(0, 1), (1, 1)], 6)), (Dest(RID, [(0, 1), (1, 1)], 6), prefill())):
+        core = prefill_core()
+        sender = lambda m: R if isinstance(m, Prefill) else D  # noqa: E731
+        assert core.handle(sender(first), first, now=0) == []
+        assert core.handle(sender(second), second, now=0) == [StartPrefill(RID, [1, 2, 3, 4, 5, 6], [(0, 1), (1, 1)], D)]
+        assert core.computed(RID, 6, 99, 42) == [Send(D, Done(RID, 6, 99, 42))]
+        assert core.reqs == {}
+
+
+def test_prefill_rejects_prompt_over_its_pool_before_compute():
+    core = prefill_core(pool=4)
+    out = core.handle(R, prefill(6), now=0)
+    assert [(a.to, type(a.msg)) for a in out] == [(R, Reject), (D, Fail)]
+    assert out[0].msg.error.message.startswith("This model's maximum prefill KV pool is 4 tokens")
+
+
+def test_prefill_incident_emulation_sends_a_placeholder_when_layers_are_off():
+    core = prefill_core(safety=unsafe("all"), incident=True, pool=4)
+    core.handle(R, prefill(6), now=0)
+    assert core.handle(D, Dest(RID, [(0, 1), (1, 1)], 6), now=0) == [StartPrefill(RID, [0], [(0, 1), (1, 1)], D)]
+
+
+def test_prefill_incident_emulation_is_caught_by_coverage_alone():
+    core = prefill_core(safety=unsafe("admission"), incident=True, pool=4)
+    core.handle(R, prefill(6), now=0)
+    out = core.handle(D, Dest(RID, [(0, 1), (1, 1)], 6), now=0)
+    assert [(a.to, type(a.msg)) for a in out] == [(D, Fail), (R, Reject)]
+
+
+def test_prefill_abort_mid_compute_acks_only_after_the_runner_stops():
+    core = prefill_core()
+    core.handle(R, prefill(), now=0)
+    core.handle(D, Dest(RID, [(0, 1), (1, 1)], 6), now=0)
+    assert core.handle(D, Abort(RID), now=1) == [StopPrefill(RID)]
+    assert core.computed(RID, 6, 0, 1) == [Send(D, AbortAck(RID))]
+
+
+def test_prefill_deferred_release_off_acks_while_writing():
+    core = prefill_core(safety=unsafe("deferred_release"))
+    core.handle(R, prefill(), now=0)
+    core.handle(D, Dest(RID, [(0, 1), (1, 1)], 6), now=0)
+    assert core.handle(D, Abort(RID), now=1) == [StopPrefill(RID), Send(D, AbortAck(RID))]
+    assert core.computed(RID, 6, 0, 1) == []
+
+
+def test_prefill_unknown_abort_is_acked_and_orphan_dest_fails():
+    core = prefill_core()
+    assert core.handle(D, Abort(RID + 5), now=0) == [Send(D, AbortAck(RID + 5))]
+    core.handle(D, Dest(RID, [(0, 1)], 3), now=0)
+    out = core.tick(now=6)
+    assert [(a.to, type(a.msg)) for a in out] == [(D, Fail)] and core.reqs == {}
+
+
+def test_prefill_wrong_dest_length_is_refused():
+    core = prefill_core()
+    core.handle(R, prefill(6), now=0)
+    out = core.handle(D, Dest(RID, [(0, 1)], 1), now=0)
+    assert [(a.to, type(a.msg)) for a in out] == [(D, Fail), (R, Reject)]
+
+
+# -- router -------------------------------------------------------------------------
+
+
+def hello(worker: str, role: str, pool: int = 1000, free: int = 10, queued: int = 0) -> Hello:
+    return Hello(worker, role, "tcp://x", {}, pool, 64, free_pages=free, queued_tokens=queued)
+
+
+def router_core(safety: Safety = SAFE) -> RouterCore:
+    core = RouterCore(R, max_context=64, safety=safety)
+    for h in (hello(P, "prefill"), hello("prefill-1", "prefill", queued=500), hello(D, "decode"),
+              hello("decode-1", "decode", free=2)):
+        core.worker_up(h)
+    return core
+
+
+def request(n: int = 6, max_tokens: int = 2) -> Request:
+    return Request(list(range(1, n + 1)), SamplingParams(max_tokens), "tenant-a", rid=RID)
+
+
+def test_router_sends_admit_and_prefill_to_the_least_loaded_pair():
+    out = router_core().submit(request())
+    params = Params(2)
+    assert out == [Send(D, Admit(RID, "tenant-a", [1, 2, 3, 4, 5, 6], params, P)),
+                   Send(P, Prefill(RID, "tenant-a", [1, 2, 3, 4, 5, 6], params, D))]
+
+
+def test_router_rejects_over_length_before_sending_anything():
+    out = router_core().submit(request(60, 10))
+    assert len(out) == 1 and isinstance(out[0].error, ContextLengthExceeded)
+
+
+def test_router_propagates_a_prefill_reject_and_cancels_decode():
+    core = router_core()
+    core.submit(request())
+    err = ErrorInfo(400, "invalid_request_error", "too long", "context_length_exceeded")
+    out = core.handle(P, Reject(RID, err, P))
+    assert out[0].rid == RID and out[0].error.status == 400 and out[0].error.code == "context_length_exceeded"
+    assert out[1] == Send(D, Cancel(RID))
+    assert core.handle(D, Output(RID, [5], "x")) == []  # a rejected request never delivers a token
+
+
+def test_router_without_propagation_ignores_prefill_errors():
+    core = router_core(unsafe("propagation"))
+    core.submit(request())
+    assert core.handle(P, Reject(RID, ErrorInfo(400, "x", "no"), P)) == []
+    assert core.handle(D, Output(RID, [5], "leak", "stop")) == [Deliver(RID, output=Output(RID, [5], "leak", "stop"))]
+
+
+def test_router_defers_cancel_until_handoff_ends():
+    core = router_core()
+    core.submit(request())
+    assert core.client_gone(RID) == []
+    assert core.handle(D, Output(RID, [5], "x")) == [Send(D, Cancel(RID))]
+    assert core.reqs == {}
+
+
+def test_router_without_deferred_abort_cancels_mid_transfer():
+    core = router_core(unsafe("deferred_abort"))
+    core.submit(request())
+    assert core.client_gone(RID) == [Send(D, Cancel(RID))]
+
+
+def test_router_worker_death_ends_its_requests_with_503():
+    core = router_core()
+    core.submit(request())
+    out = core.worker_down(P)
+    assert out[0].error.status == 503 and out[1] == Send(D, Cancel(RID))
+    assert core.reqs == {} and P not in core.workers
