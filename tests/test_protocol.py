@@ -182,7 +182,8 @@ def test_prefill_happy_path_in_either_order():
         core = prefill_core()
         sender = lambda m: R if isinstance(m, Prefill) else D  # noqa: E731
         assert core.handle(sender(first), first, now=0) == []
-        assert core.handle(sender(second), second, now=0) == [StartPrefill(RID, [1, 2, 3, 4, 5, 6], [(0, 1), (1, 1)], D)]
+        start = StartPrefill(RID, [1, 2, 3, 4, 5, 6], [(0, 1), (1, 1)], D)
+        assert core.handle(sender(second), second, now=0) == [start]
         assert core.computed(RID, 6, 99, 42) == [Send(D, Done(RID, 6, 99, 42))]
         assert core.reqs == {}
 

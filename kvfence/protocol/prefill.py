@@ -134,7 +134,8 @@ class PrefillCore:
         err = self._admission_error(msg)
         if err is not None:
             if self.emulate_incident and not self.safety.admission:
-                msg = msgspec.structs.replace(msg, prompt_ids=[0])  # the incident: a 1-token placeholder that still "completes"
+                # The incident: a 1-token placeholder that still "completes" its transfer.
+                msg = msgspec.structs.replace(msg, prompt_ids=[0])
             elif self.safety.admission:
                 self.reqs.pop(msg.rid, None)
                 return [self._reject(msg.rid, err), Send(msg.decode, Fail(msg.rid, ErrorInfo.of(err)))]
