@@ -16,7 +16,7 @@ from kvfence.core import ContextLengthExceeded, FinishReason, IntegrityError, In
 from kvfence.engine.output import OutputTracker
 from kvfence.engine.sampler import make_generator, sample
 from kvfence.engine.scheduler import Scheduler, Sequence, Work
-from kvfence.kvcache.pages import PageError, PageTable
+from kvfence.kvcache.pages import PageError, PageGrant, PageTable
 from kvfence.kvcache.pool import KVPool
 from kvfence.model.llama import Model, SeqChunk
 from kvfence.model.tokenizer import Tokenizer
@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig, dtype: torch.dtype,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", pool: KVPool | None = None) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.pool = KVPool(model.config, config.num_pages, config.page_size, dtype, device)
+        self.pool = pool or KVPool(model.config, config.num_pages, config.page_size, dtype, device)
         self.pages = PageTable(config.num_pages)
         self.scheduler = Scheduler(config, self.pages)
         self.seqs: dict[int, Sequence] = {}
@@ -55,6 +55,22 @@ class Engine:
         self.seqs[req.rid] = seq
         self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.config.max_context)
         self.scheduler.add(seq)
+
+    def add_prefilled(self, req: Request, grants: list[PageGrant], first_token: int) -> RequestOutput:
+        """Take over a request whose prompt KV already sits, verified, in ``grants``; continue decoding.
+
+        The pages must be held by ``req.rid`` in this engine's page table.
+        """
+        seq = Sequence(req, make_generator(req.params))
+        seq.add_grants(grants)
+        seq.num_computed = req.prompt_len
+        self.seqs[req.rid] = seq
+        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.config.max_context)
+        self.scheduler.running.append(seq)
+        out = self.trackers[req.rid].append(first_token)
+        if out.finished:
+            self._end(seq)
+        return out
 
     def abort(self, rid: int) -> RequestOutput | None:
         """Drop a request wherever it is and free its pages; None if it is unknown or already ended."""
@@ -114,18 +130,24 @@ class Engine:
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[RequestOutput]:
         for w in work:
             w.seq.num_computed = w.end
+        self._computed(work)
         due = [i for i, w in enumerate(work) if w.samples]
         if not due:
             return []
         seqs = [work[i].seq for i in due]
         tokens = sample(logits[due], [s.req.params for s in seqs], [s.generator for s in seqs])
-        outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
-            out = self.trackers[seq.rid].append(token)
-            if out.finished:
-                self._end(seq)
-            outputs.append(out)
-        return outputs
+        outputs = (self._on_token(seq, token) for seq, token in zip(seqs, tokens, strict=True))
+        return [out for out in outputs if out is not None]
+
+    def _computed(self, work: list[Work]) -> None:
+        """Hook: the K/V of every ``work`` item is now in the pool."""
+
+    def _on_token(self, seq: Sequence, token: int) -> RequestOutput | None:
+        """Hook: ``seq`` sampled ``token``. Records it, and ends the request when it is finished."""
+        out = self.trackers[seq.rid].append(token)
+        if out.finished:
+            self._end(seq)
+        return out
 
     def _end(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)

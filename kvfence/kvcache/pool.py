@@ -1,32 +1,51 @@
-"""KV tensor storage: one preallocated tensor each for K and V.
+"""KV tensor storage: one preallocated region of pages (see ``layout.py``).
 
-Layout: ``[num_layers, num_pages * page_size, num_kv_heads, head_dim]``; the
-token at position ``p`` of a sequence lives in slot
-``page_ids[p // page_size] * page_size + p % page_size``. Storage is never
-scrubbed: a freed page keeps whatever its last owner wrote.
+``data`` is ``[num_pages, page_size, num_layers, 2, kv_heads, head_dim]``
+(token-major pages; index 0/1 of dim 3 is K/V). The region may live in
+memory a transfer backend registered (decode's pool is written by prefill
+workers). Storage is never scrubbed: a freed page keeps whatever its last
+owner wrote, and only the page table says whose it is now.
 """
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from kvfence.config import ModelConfig
+from kvfence.kvcache.layout import KVLayout, RegionView
+
+_TORCH_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 
 class KVPool:
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str = "cpu",
+                 buffer: memoryview | None = None) -> None:
+        """Pages on ``buffer`` (CPU bytes, e.g. a transfer backend's region) or on fresh memory of ``device``."""
         self.num_pages, self.page_size = num_pages, page_size
-        shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.layout = KVLayout.of(cfg, num_pages, page_size, _TORCH_BYTES[dtype])
+        shape = (num_pages, page_size, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
+        if buffer is None and device == "cpu":
+            buffer = memoryview(mmap.mmap(-1, self.layout.nbytes))  # page-aligned, lazily backed
+        if buffer is None:
+            self.region = None
+            self.data = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            self.region = RegionView(self.layout, buffer)
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=self.layout.tags_offset)
+            self.data = raw.view(dtype).view(shape)
 
-    def slots(self, page_ids: list[int], start: int, end: int) -> torch.Tensor:
-        """Slot indices of positions [start, end) for a sequence holding ``page_ids``."""
-        ps = self.page_size
-        pages = torch.tensor(page_ids, dtype=torch.long)
-        pos = torch.arange(start, end)
-        return pages[pos // ps] * ps + pos % ps
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V ``[T, kv_heads, head_dim]`` of ``layer`` for T tokens at (page, offset) pairs."""
+        self.data[pages, offsets, layer] = torch.stack((k, v), dim=1)  # [T, 2, kvh, hd]
+
+    def read(self, layer: int, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[length, kv_heads, head_dim]`` of one sequence holding ``pages`` (in order)."""
+        kv = self.data[pages, :, layer]  # [np, page_size, 2, kvh, hd]
+        kv = kv.reshape(-1, *kv.shape[2:])[:length]  # [length, 2, kvh, hd]
+        return kv[:, 0], kv[:, 1]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.layout.nbytes
