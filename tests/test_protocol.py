@@ -16,8 +16,10 @@ from kvfence.protocol.messages import (
     Hello,
     Output,
     Params,
+    Peers,
     Prefill,
     Reject,
+    WorkerDown,
 )
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
 from kvfence.protocol.router import RouterCore
@@ -37,7 +39,7 @@ def unsafe(*layers: str) -> Safety:
 
 def decode_core(pages: int = 4, safety: Safety = SAFE, verdict: str | None = None) -> DecodeCore:
     limits = DecodeLimits(max_context=64, page_size=4, handoff_timeout=30, abort_timeout=10)
-    return DecodeCore(D, R, PageTable(pages), limits, safety, verify=lambda rid, grants, done: verdict)
+    return DecodeCore(D, R, PageTable(pages), limits, safety, verify=lambda rid, grants, expected, checksum: verdict)
 
 
 def admit(n: int = 6, max_tokens: int = 2, rid: int = RID) -> Admit:
@@ -49,7 +51,7 @@ def test_decode_happy_path_grants_exact_pages_then_starts_decoding():
     assert core.handle(R, admit(6), now=0) == [Send(P, Dest(RID, [(0, 1), (1, 1)], 6))]
     assert core.pages.state[:2].tolist() == [PageState.WRITING] * 2
     out = core.handle(P, Done(RID, tokens=6, checksum=1, first_token=42), now=1)
-    assert out == [StartDecode(RID, [PageGrant(0, 1), PageGrant(1, 1)], 42)]
+    assert out == [StartDecode(admit(6), [PageGrant(0, 1), PageGrant(1, 1)], 42)]
     assert core.pages.state[:2].tolist() == [PageState.READY] * 2
 
 
@@ -258,6 +260,16 @@ def request(n: int = 6, max_tokens: int = 2) -> Request:
     return Request(list(range(1, n + 1)), SamplingParams(max_tokens), "tenant-a", rid=RID)
 
 
+def test_router_tells_prefills_about_decode_targets_first():
+    core = RouterCore(R, max_context=64, safety=SAFE)
+    assert core.worker_up(hello(D, "decode")) == []
+    out = core.worker_up(hello(P, "prefill"))
+    assert out == [Send(P, Peers({D: {}}))]
+    assert core.worker_up(hello(P, "prefill")) == []  # heartbeat: nothing new
+    h = Hello("decode-1", "decode", "tcp://y", {"shm": "x"}, 100, 64)
+    assert core.worker_up(h) == [Send(P, Peers({D: {}, "decode-1": {"shm": "x"}}))]
+
+
 def test_router_sends_admit_and_prefill_to_the_least_loaded_pair():
     out = router_core().submit(request())
     params = Params(2)
@@ -305,5 +317,6 @@ def test_router_worker_death_ends_its_requests_with_503():
     core = router_core()
     core.submit(request())
     out = core.worker_down(P)
-    assert out[0].error.status == 503 and out[1] == Send(D, Cancel(RID))
+    assert [a.to for a in out[:3]] == ["prefill-1", D, "decode-1"] and out[0].msg == WorkerDown(P)
+    assert out[3].error.status == 503 and out[4] == Send(D, Cancel(RID))
     assert core.reqs == {} and P not in core.workers

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvfence.core import KvfenceError
 from kvfence.kvcache.pages import PageGrant
-from kvfence.protocol.messages import Message, Output
+from kvfence.protocol.messages import Admit, Message, Output
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Send:
 class StartDecode:
     """Decode: the prompt's KV landed and verified; the engine takes over these pages and decodes."""
 
-    rid: int
+    admit: Admit
     grants: list[PageGrant]
     first_token: int
 

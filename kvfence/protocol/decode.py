@@ -44,8 +44,8 @@ from kvfence.protocol.messages import (
 )
 from kvfence.safety import Safety
 
-# verify(rid, grants, done) -> None when the landed pages are good, else the reason they are not.
-Verifier = Callable[[int, list[PageGrant], Done], str | None]
+# verify(rid, grants, expected_tokens, claimed_checksum) -> None when the landed pages are good, else what is wrong.
+Verifier = Callable[[int, list[PageGrant], int, int], str | None]
 
 
 class DState(Enum):
@@ -115,12 +115,13 @@ class DecodeCore:
                 self._quarantine(req, f"no Done/AbortAck from {req.prefill} within {self.limits.abort_timeout}s")
         return actions + self._grant_waiting(now)
 
-    def engine_output(self, out: Output, now: float) -> list[Action]:
-        """The engine produced tokens (or finished, freeing its pages itself)."""
-        if out.finish_reason is not None:
+    def engine_output(self, out: Output | Reject, now: float) -> list[Action]:
+        """The engine produced tokens, or ended the request (freeing its pages itself)."""
+        ended = isinstance(out, Reject) or out.finish_reason is not None
+        if ended:
             self.reqs.pop(out.rid, None)
         actions: list[Action] = [Send(self.router, out)]
-        return actions + (self._grant_waiting(now) if out.finish_reason else [])
+        return actions + (self._grant_waiting(now) if ended else [])
 
     def peer_down(self, worker: str, now: float) -> list[Action]:
         """``worker`` is dead: none of its writes can land any more."""
@@ -188,13 +189,13 @@ class DecodeCore:
         self.pages.set_state(req.rid, req.grants, PageState.READY)
         req.state = DState.DECODING
         grants, req.grants = req.grants, []
-        return [StartDecode(req.rid, grants, msg.first_token)]
+        return [StartDecode(req.msg, grants, msg.first_token)]
 
     def _landing_problem(self, req: DecodeReq, msg: Done) -> str | None:
         expected = len(req.msg.prompt_ids)
         if msg.tokens != expected and self.safety.coverage:
             return f"{msg.tokens} tokens written, {expected} expected"
-        return self.verify(req.rid, req.grants, msg)
+        return self.verify(req.rid, req.grants, expected, msg.checksum)
 
     def _writer_finished(self, rid: int, sender: str, error: ErrorInfo | None) -> list[Action]:
         """Fail or AbortAck (or Done while aborting): the writer promises no write follows."""

@@ -164,7 +164,20 @@ class Hello(Msg, frozen=True):
     running: int = 0
 
 
-Message = Union[Admit, Prefill, Cancel, Dest, Done, Fail, Abort, AbortAck, Output, Reject, Hello]  # noqa: UP007
+class Peers(Msg, frozen=True):
+    """Router -> prefill: the live decode workers and their data-plane descriptors (sent before any use)."""
+
+    decodes: dict[str, dict]
+
+
+class WorkerDown(Msg, frozen=True):
+    """Router -> workers: ``worker`` is dead; none of its writes or messages will come."""
+
+    worker: str
+
+
+Message = Union[Admit, Prefill, Cancel, Dest, Done, Fail, Abort, AbortAck, Output, Reject, Hello, Peers,  # noqa: UP007
+                WorkerDown]
 
 
 class Envelope(msgspec.Struct, frozen=True):

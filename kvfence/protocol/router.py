@@ -22,7 +22,7 @@ from enum import Enum
 
 from kvfence.core import ContextLengthExceeded, KvfenceError, Request, ServiceUnavailable
 from kvfence.protocol.actions import Action, Deliver, Send
-from kvfence.protocol.messages import Admit, Cancel, Hello, Message, Output, Params, Prefill, Reject
+from kvfence.protocol.messages import Admit, Cancel, Hello, Message, Output, Params, Peers, Prefill, Reject, WorkerDown
 from kvfence.safety import Safety
 
 
@@ -99,17 +99,23 @@ class RouterCore:
         return []
 
     def worker_up(self, hello: Hello) -> list[Action]:
+        """A Hello (first or heartbeat). Prefill workers learn of new decode targets before any request names them."""
         info = self.workers.get(hello.worker)
+        news = info is None or info.hello.data != hello.data
         if info is None:
             self.workers[hello.worker] = WorkerInfo(hello)
         else:
             info.hello = hello
-        return []
+        if not news:
+            return []
+        prefills = [hello.worker] if hello.role == "prefill" else self._role("prefill")
+        return [Send(p, self._peers()) for p in prefills]
 
     def worker_down(self, worker: str) -> list[Action]:
         """``worker`` died: its requests end with a 503 now; their other legs are cancelled."""
-        self.workers.pop(worker, None)
-        actions: list[Action] = []
+        if self.workers.pop(worker, None) is None:
+            return []
+        actions: list[Action] = [Send(w, WorkerDown(worker)) for w in self.workers]
         for req in list(self.reqs.values()):
             if worker in (req.prefill, req.decode):
                 self._end(req)
@@ -148,6 +154,12 @@ class RouterCore:
         if sender == req.prefill:
             actions.append(Send(req.decode, Cancel(req.rid)))
         return actions
+
+    def _role(self, role: str) -> list[str]:
+        return [w for w, info in self.workers.items() if info.hello.role == role]
+
+    def _peers(self) -> Peers:
+        return Peers({w: self.workers[w].hello.data for w in self._role("decode")})
 
     def _end(self, req: RouterReq) -> None:
         del self.reqs[req.rid]
