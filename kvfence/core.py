@@ -7,7 +7,7 @@ raises one, the router can hand it to the client unchanged.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -92,6 +92,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def with_max_tokens(self, n: int) -> SamplingParams:
+        return replace(self, max_tokens=n)
 
 
 class FinishReason(str, Enum):

@@ -1,0 +1,139 @@
+"""The router's engine: an ``EngineClient`` that drives ``RouterCore`` over ZeroMQ on the event loop.
+
+Everything runs on the asyncio loop of the HTTP server, so the core needs no
+locks: HTTP handlers call ``generate``; one task receives worker messages;
+one task watches heartbeats and declares silent workers dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from kvfence.core import FinishReason, Request, RequestOutput
+from kvfence.protocol.actions import Action, Deliver, Send
+from kvfence.protocol.messages import Hello, Output
+from kvfence.protocol.router import RouterCore
+from kvfence.safety import Safety
+from kvfence.workers.channel import Channel
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT_S = 3.0
+POLL_MIN_S, POLL_MAX_S = 0.0005, 0.01
+
+
+class RemoteEngine:
+    def __init__(self, bind: str, model_name: str, max_context: int, safety: Safety, advertise: str | None = None,
+                 expected_workers: int = 0) -> None:
+        self.channel = Channel(bind, advertise)
+        self.me = self.channel.me
+        self.model_name, self.max_context = model_name, max_context
+        self.core = RouterCore(self.me, max_context, safety)
+        self.expected_workers = expected_workers
+        self._sinks: dict[int, asyncio.Queue] = {}
+        self._last_seen: dict[str, float] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # -- EngineClient ------------------------------------------------------------
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        self._ensure_started()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._sinks[request.rid] = sink
+        finished = False
+        try:
+            self._do(self.core.submit(request))
+            while not finished:
+                out: RequestOutput = await sink.get()
+                if out.error is not None:
+                    finished = True
+                    raise out.error
+                finished = out.finished
+                yield out
+        finally:
+            self._sinks.pop(request.rid, None)
+            if not finished:
+                self._do(self.core.client_gone(request.rid))
+
+    def health(self) -> dict:
+        workers = {w: {"role": i.hello.role, "in_flight": i.in_flight, "free_pages": i.hello.free_pages,
+                       "running": i.hello.running} for w, i in self.core.workers.items()}
+        ready = sum(1 for i in self.core.workers.values() if i.hello.role == "decode") and \
+            sum(1 for i in self.core.workers.values() if i.hello.role == "prefill")
+        return {"status": "ok" if ready else "waiting for workers", "mode": "disaggregated",
+                "in_flight": len(self.core.reqs), "workers": workers}
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the receive and liveness tasks on the running loop."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._receive()), loop.create_task(self._watch())]
+
+    def _ensure_started(self) -> None:
+        if not self._tasks:
+            self.start()
+
+    async def wait_for_workers(self, timeout: float) -> bool:
+        """Wait until ``expected_workers`` have said Hello."""
+        self._ensure_started()
+        deadline = time.monotonic() + timeout
+        while len(self.core.workers) < self.expected_workers:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def worker_died(self, worker: str) -> None:
+        """Called by a supervisor that saw the process exit: fail its requests now."""
+        self._last_seen.pop(worker, None)
+        self.channel.forget(worker)
+        self._do(self.core.worker_down(worker))
+
+    async def _receive(self) -> None:
+        nap = POLL_MIN_S
+        while True:
+            envelopes = self.channel.receive(0)
+            if not envelopes:  # back off while quiet, stay quick while busy
+                await asyncio.sleep(nap)
+                nap = min(nap * 2, POLL_MAX_S)
+                continue
+            nap = POLL_MIN_S
+            now = time.monotonic()
+            for env in envelopes:
+                if isinstance(env.msg, Hello):
+                    if env.msg.worker not in self.core.workers:
+                        log.info("%s worker %s joined", env.msg.role, env.msg.worker)
+                    self._last_seen[env.msg.worker] = now
+                self._do(self.core.handle(env.sender, env.msg))
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for worker, seen in list(self._last_seen.items()):
+                if now - seen > HEARTBEAT_TIMEOUT_S:
+                    log.error("worker %s silent for %.1fs: declaring it dead", worker, now - seen)
+                    self.worker_died(worker)
+
+    def _do(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self.channel.send(action.to, action.msg)
+            elif isinstance(action, Deliver):
+                sink = self._sinks.get(action.rid)
+                if sink is not None:
+                    sink.put_nowait(_to_output(action))
+
+
+def _to_output(action: Deliver) -> RequestOutput:
+    if action.error is not None:
+        return RequestOutput(action.rid, [], "", FinishReason.ERROR, error=action.error)
+    o: Output = action.output
+    finish = FinishReason(o.finish_reason) if o.finish_reason else None
+    return RequestOutput(o.rid, o.token_ids, o.text, finish, prompt_tokens=o.prompt_tokens,
+                         completion_tokens=o.completion_tokens)
+

@@ -1,0 +1,146 @@
+"""What prefill and decode workers share: settings, model and pool setup, and the IO loop.
+
+The loop is the only place that touches sockets: it feeds received messages
+and timer ticks to the worker's protocol core, runs engine steps, and
+carries out the actions that come back.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvfence.config import EngineConfig
+from kvfence.engine.engine import Engine
+from kvfence.kvcache.layout import KVLayout
+from kvfence.kvcache.pool import KVPool
+from kvfence.protocol.actions import Action, Send
+from kvfence.protocol.messages import Hello, Message
+from kvfence.safety import Safety
+from kvfence.workers.channel import Channel
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+TICK_S = 0.05
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Everything a worker process needs to start (picklable: it crosses the process spawn)."""
+
+    role: str  # "prefill" | "decode"
+    bind: str  # ZeroMQ address to bind the inbox to (its id unless ``advertise`` is set)
+    router: str  # the router's inbox address
+    model: str
+    dtype: str
+    device: str
+    max_context: int
+    pool_tokens: int
+    page_size: int = 16
+    chunk_size: int = 512
+    max_batch: int = 64
+    transfer: str = "shm"
+    advertise: str | None = None
+    emulate_incident: bool = False
+    threads: int = 0
+    log_level: str = "INFO"
+
+
+class WorkerBase:
+    role = ""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        from kvfence.model.loader import load_model
+
+        self.settings = settings
+        self.safety = Safety.from_env()
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self.dtype = getattr(torch, settings.dtype)
+        self.loaded = load_model(settings.model, dtype=self.dtype, device=settings.device)
+        self.channel = Channel(settings.bind, settings.advertise)
+        self.me = self.channel.me
+
+    # -- setup helpers --------------------------------------------------------------
+
+    def layout(self, pool_tokens: int) -> KVLayout:
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        return KVLayout.of(self.loaded.config, pool_tokens // self.settings.page_size, self.settings.page_size,
+                           dtype_bytes)
+
+    def make_pool(self, pool_tokens: int, buffer: memoryview) -> KVPool:
+        return KVPool(self.loaded.config, pool_tokens // self.settings.page_size, self.settings.page_size,
+                      self.dtype, self.settings.device, buffer=buffer)
+
+    def engine_config(self, pool_tokens: int) -> EngineConfig:
+        s = self.settings
+        return EngineConfig(max_context=s.max_context, kv_pool_tokens=pool_tokens, page_size=s.page_size,
+                            max_batch=s.max_batch, chunk_size=s.chunk_size)
+
+    # -- what each role provides ------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        raise NotImplementedError
+
+    def hello(self) -> Hello:
+        raise NotImplementedError
+
+    def on_message(self, sender: str, msg: Message, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    def step(self, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    def tick(self, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        return self.engine.has_work
+
+    def execute(self, action: Action, now: float) -> list[Action]:
+        """Carry out one action; may return follow-up actions."""
+        if isinstance(action, Send):
+            self.channel.send(action.to, action.msg)
+            return []
+        raise TypeError(f"{self.role} worker cannot carry out {action!r}")
+
+    # -- the loop -------------------------------------------------------------------
+
+    def run_forever(self, clock: Callable[[], float]) -> None:
+        banner = self.safety.banner()
+        if banner:
+            print(banner, file=sys.stderr, flush=True)
+        log.info("%s worker %s ready (pool %d tokens, transfer %s)", self.role, self.me, self.settings.pool_tokens,
+                 self.settings.transfer)
+        next_tick = next_hello = 0.0
+        idle_checked = False
+        while True:
+            now = clock()
+            busy = self.has_work()
+            for env in self.channel.receive(0 if busy else int(TICK_S * 1000)):
+                self._do(self.on_message(env.sender, env.msg, now), now)
+            if self.has_work():
+                self._do(self.step(now), now)
+                idle_checked = False
+            elif not idle_checked:
+                self.engine.check_integrity()  # idle: every held page belongs to a live request
+                idle_checked = True
+            if now >= next_tick:
+                self._do(self.tick(now), now)
+                next_tick = now + TICK_S
+            if now >= next_hello:
+                self.channel.send(self.settings.router, self.hello())
+                next_hello = now + HEARTBEAT_S
+
+    def _do(self, actions: list[Action], now: float) -> None:
+        while actions:
+            follow = []
+            for action in actions:
+                follow += self.execute(action, now)
+            actions = follow

@@ -1,0 +1,87 @@
+"""The decode worker: owns the KV pool prefill writes into, verifies each landing, decodes and streams.
+
+Its pool lives in the region a transfer backend registered (``KVTarget``),
+so prefill workers write pages and tags straight into it. One thread owns
+the channel, the protocol core and the engine; the core and the engine's
+scheduler share one page table.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvfence.core import FinishReason, Request, RequestOutput
+from kvfence.engine.engine import Engine
+from kvfence.kvcache.layout import check_landing
+from kvfence.kvcache.pages import PageGrant
+from kvfence.protocol.actions import Action, StartDecode, StopDecode
+from kvfence.protocol.decode import DecodeCore, DecodeLimits
+from kvfence.protocol.messages import ErrorInfo, Hello, Output, Reject, WorkerDown
+from kvfence.workers.common import WorkerBase, WorkerSettings
+
+
+class DecodeWorker(WorkerBase):
+    role = "decode"
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        super().__init__(settings)
+        from kvfence.transfer.base import make_target
+
+        layout = self.layout(settings.pool_tokens)
+        self.target = make_target(settings.transfer, layout.nbytes)
+        pool = self.make_pool(settings.pool_tokens, self.target.buffer)
+        self._engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
+                              self.dtype, pool=pool)
+        limits = DecodeLimits(settings.max_context, settings.page_size)
+        self.core = DecodeCore(self.me, settings.router, self._engine.pages, limits, self.safety, self._verify)
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def hello(self) -> Hello:
+        sched = self._engine.scheduler
+        return Hello(self.me, self.role, self.me, self.target.descriptor(), self.settings.pool_tokens,
+                     self.settings.max_context, free_pages=self._engine.pages.num_free,
+                     queued_tokens=len(self.core.waiting), running=len(sched.running))
+
+    def on_message(self, sender: str, msg, now: float) -> list[Action]:
+        if isinstance(msg, WorkerDown):
+            return self.core.peer_down(msg.worker, now)
+        return self.core.handle(sender, msg, now)
+
+    def step(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for out in self._engine.step():
+            actions += self.core.engine_output(to_message(out), now)
+        return actions
+
+    def tick(self, now: float) -> list[Action]:
+        return self.core.tick(now)
+
+    def execute(self, action: Action, now: float) -> list[Action]:
+        if isinstance(action, StartDecode):
+            a = action.admit
+            req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid)
+            out = self._engine.add_prefilled(req, action.grants, action.first_token)
+            return self.core.engine_output(to_message(out), now)
+        if isinstance(action, StopDecode):
+            self._engine.abort(action.rid)
+            return []
+        return super().execute(action, now)
+
+    def _verify(self, rid: int, grants: list[PageGrant], expected_tokens: int, checksum: int) -> str | None:
+        s = self.safety
+        return check_landing(self._engine.pool.region, rid, [(g.page, g.epoch) for g in grants], expected_tokens,
+                             checksum, tags=s.tags, coverage=s.coverage, checksum=s.checksum)
+
+
+def to_message(out: RequestOutput) -> Output | Reject:
+    if out.error is not None:
+        return Reject(out.rid, ErrorInfo.of(out.error))
+    finish = out.finish_reason.value if isinstance(out.finish_reason, FinishReason) else None
+    return Output(out.rid, out.token_ids, out.text, finish, out.prompt_tokens, out.completion_tokens)
+
+
+def main(settings: WorkerSettings) -> None:
+    DecodeWorker(settings).run_forever(time.monotonic)

@@ -1,0 +1,218 @@
+"""The prefill worker: computes prompts and writes their KV, with tags, into decode workers' pages.
+
+One thread owns everything: the ZeroMQ channel, the protocol core, and a
+``PrefillRunner`` (the engine, computing into this worker's own pool and
+shipping each page to decode as soon as its tokens are computed, so
+transfers overlap the next chunk's compute).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kvfence.core import KvfenceError, Request, ServiceUnavailable
+from kvfence.engine.engine import Engine
+from kvfence.engine.scheduler import Sequence, Work
+from kvfence.kvcache.layout import tokens_per_page, transfer_checksum
+from kvfence.protocol.actions import Action, StartPrefill, StopPrefill
+from kvfence.protocol.messages import Hello, Peers, WorkerDown
+from kvfence.protocol.prefill import PrefillCore, PrefillLimits
+from kvfence.transfer.base import KVInitiator, Segment
+from kvfence.workers.common import WorkerBase, WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Shipment:
+    """One prompt on its way to decode: where it goes and what is in flight."""
+
+    start: StartPrefill
+    peer: object
+    shipped: int = 0  # pages sent so far
+    sums: list[int] = field(default_factory=list)
+    futures: list[Future] = field(default_factory=list)
+    first_token: int | None = None
+    stopped: bool = False
+
+    def drained(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def error(self) -> BaseException | None:
+        return next((f.exception() for f in self.futures if f.exception() is not None), None)
+
+
+class PrefillRunner(Engine):
+    """An engine that stops each request after its first token and ships its pages instead of decoding.
+
+    A request's local pages stay held until every write reading them has finished.
+    """
+
+    def __init__(self, *args, initiator: KVInitiator, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.initiator = initiator
+        self.shipments: dict[int, Shipment] = {}
+        self.draining: dict[int, Sequence] = {}
+
+    def start(self, start: StartPrefill, req: Request, peer: object) -> None:
+        self.add(req)
+        self.shipments[req.rid] = Shipment(start, peer)
+
+    def stop(self, rid: int) -> None:
+        """Stop computing ``rid``; it is reported by ``finished`` once its writes have drained."""
+        seq = self.seqs.get(rid)
+        ship = self.shipments.get(rid)
+        if seq is None or ship is None:
+            return
+        ship.stopped = True
+        if rid not in self.draining:
+            self._detach(seq)
+
+    def finished(self) -> list[tuple[Shipment, int, BaseException | None]]:
+        """Shipments whose writes have all drained: (shipment, tokens, error). Frees their local pages."""
+        done = []
+        for rid, seq in list(self.draining.items()):
+            ship = self.shipments[rid]
+            if ship.drained():
+                del self.draining[rid], self.shipments[rid], self.seqs[rid], self.trackers[rid]
+                self.pages.free(rid, seq.drop_grants())
+                done.append((ship, seq.req.prompt_len, ship.error()))
+        return done
+
+    def _computed(self, work: list[Work]) -> None:
+        for w in work:
+            self._ship(w.seq, final=False)
+
+    def _on_token(self, seq: Sequence, token: int) -> None:
+        self.shipments[seq.rid].first_token = token
+        self._ship(seq, final=True)
+        self._detach(seq)
+        return None
+
+    def _detach(self, seq: Sequence) -> None:
+        """Out of the scheduler, pages still held: they are being read by transfers."""
+        if seq in self.scheduler.running:
+            self.scheduler.running.remove(seq)
+        elif seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+        self.draining[seq.rid] = seq
+
+    def _ship(self, seq: Sequence, final: bool) -> None:
+        """Write every newly completed page (and, when final, the last partial one) with its tag."""
+        ship = self.shipments[seq.rid]
+        ps, n = self.config.page_size, seq.req.prompt_len
+        upto = len(seq.grants) if final else seq.num_computed // ps
+        if upto <= ship.shipped:
+            return
+        region, layout = self.pool.region, self.pool.layout
+        counts = tokens_per_page(n, ps, len(seq.grants))
+        segments: list[Segment] = []
+        for i in range(ship.shipped, upto):
+            src = seq.grants[i].page
+            dst, epoch = ship.start.dest[i]
+            tokens = counts[i]
+            checksum = region.page_checksum(src, tokens)
+            region.write_tag(src, seq.rid, epoch, dst, tokens, checksum)
+            ship.sums.append(checksum)
+            segments += [(layout.page_offset(src), layout.page_offset(dst), tokens * layout.token_bytes),
+                         (layout.tag_offset(src), layout.tag_offset(dst), layout.tag_bytes)]
+        ship.shipped = upto
+        ship.futures.append(self.initiator.submit(ship.peer, _merge(segments)))
+
+
+def _merge(segments: list[Segment]) -> list[Segment]:
+    """Coalesce segments that are adjacent on both sides."""
+    out: list[Segment] = []
+    for src, dst, n in sorted(segments):
+        if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((src, dst, n))
+    return out
+
+
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        super().__init__(settings)
+        from kvfence.transfer.base import make_initiator
+
+        layout = self.layout(settings.pool_tokens)
+        self.initiator = make_initiator(settings.transfer, layout.nbytes)
+        self.runner = PrefillRunner(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
+                                    self.dtype, pool=self.make_pool(settings.pool_tokens, self.initiator.buffer),
+                                    initiator=self.initiator)
+        limits = PrefillLimits(settings.max_context, settings.pool_tokens, settings.page_size)
+        self.core = PrefillCore(self.me, settings.router, limits, self.safety, settings.emulate_incident)
+        self.decodes: dict[str, dict] = {}
+        self.prompts: dict[int, Request] = {}
+
+    @property
+    def engine(self) -> Engine:
+        return self.runner
+
+    def hello(self) -> Hello:
+        sched = self.runner.scheduler
+        queued = sum(s.req.prompt_len - s.num_computed for s in (*sched.waiting, *sched.running))
+        return Hello(self.me, self.role, self.me, {}, self.settings.pool_tokens, self.settings.max_context,
+                     free_pages=self.runner.pages.num_free, queued_tokens=queued, running=len(sched.running))
+
+    def on_message(self, sender: str, msg, now: float) -> list[Action]:
+        if isinstance(msg, Peers):
+            self.decodes = dict(msg.decodes)
+            return []
+        if isinstance(msg, WorkerDown):
+            self.decodes.pop(msg.worker, None)
+            return self.core.peer_down(msg.worker)
+        return self.core.handle(sender, msg, now)
+
+    def step(self, now: float) -> list[Action]:
+        self.runner.step()
+        return self.collect()
+
+    def collect(self) -> list[Action]:
+        actions: list[Action] = []
+        for ship, tokens, err in self.runner.finished():
+            rid = ship.start.rid
+            if err is not None:
+                log.warning("request %032x: KV transfer to %s failed: %s", rid, ship.start.decode, err)
+                actions += self.core.compute_failed(rid, ServiceUnavailable(f"KV transfer failed: {err}"))
+            else:
+                actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), ship.first_token or 0)
+        return actions
+
+    def has_work(self) -> bool:
+        return self.runner.has_work or bool(self.runner.draining)
+
+    def tick(self, now: float) -> list[Action]:
+        return self.core.tick(now) + self.collect()
+
+    def execute(self, action: Action, now: float) -> list[Action]:
+        if isinstance(action, StartPrefill):
+            return self._start(action)
+        if isinstance(action, StopPrefill):
+            self.runner.stop(action.rid)
+            return self.collect()
+        return super().execute(action, now)
+
+    def _start(self, start: StartPrefill) -> list[Action]:
+        req = self.core.reqs[start.rid].msg
+        request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid)
+        try:
+            descriptor = self.decodes[start.decode]
+            peer = self.initiator.connect(descriptor)
+            self.runner.start(start, request, peer)
+        except KvfenceError as err:
+            return self.core.compute_failed(start.rid, err)
+        except Exception as exc:  # unknown decode, or its data plane unreachable
+            log.warning("request %032x: cannot reach decode %s: %s", start.rid, start.decode, exc)
+            return self.core.compute_failed(start.rid, ServiceUnavailable(f"decode worker unreachable: {exc}"))
+        return []
+
+
+def main(settings: WorkerSettings) -> None:
+    PrefillWorker(settings).run_forever(time.monotonic)
