@@ -1,0 +1,484 @@
+"""The OpenAI-compatible HTTP API: auth, templating, length admission, streaming, errors.
+
+Contracts:
+
+- Every error leaves in OpenAI's ``{"error": {...}}`` shape with an honest
+  status (I3): 4xx for the client's fault, 5xx for ours, never a 200.
+- Length admission (L1) runs here, on the real token count, before the
+  engine sees the request: ``prompt + max_tokens > max_context`` is a 400
+  ``context_length_exceeded``.
+- A stream's HTTP status is settled by the engine's first output: a request
+  the engine rejects before its first token gets a 4xx/5xx response, not a
+  200 stream carrying an error. Errors after that are a ``data: {"error":
+  ...}`` event, then ``[DONE]``.
+- When the client goes away, the engine iterator is not pulled again and is
+  closed (``aclose``, shielded from cancellation), which aborts the request.
+  An await on the engine that is in progress is cancelled.
+- Each request that gets as far as admission is logged once, when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Annotated, Any, TypeVar
+
+import anyio
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvfence.core import (
+    ContextLengthExceeded,
+    FinishReason,
+    IntegrityError,
+    InvalidRequest,
+    KvfenceError,
+    NotFound,
+    RequestOutput,
+    ServiceUnavailable,
+    new_request_id,
+)
+from kvfence.core import Request as EngineRequest
+from kvfence.engine.client import EngineClient
+from kvfence.router.responses import DONE, Format, error_body, sse
+from kvfence.router.schemas import ChatCompletionRequest, CompletionRequest, GenerateBody
+from kvfence.router.tenants import Tenants
+
+log = logging.getLogger("kvfence.router")
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only ever logged
+
+
+def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the OpenAI API, keys checked by ``tenants``."""
+    server = OpenAIServer(engine, tokenizer)
+    app = FastAPI(title="kvfence", summary="Multi-tenant OpenAI-compatible LLM serving")
+    app.state.tenants = tenants
+    app.add_middleware(InternalErrors)
+    app.add_exception_handler(KvfenceError, _on_kvfence_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 with the engine's figures; 503 when the engine reports a status other than "ok"."""
+        body = {"status": "ok", **engine.health()}
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def list_models(_: Tenant) -> dict:
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, _: Tenant) -> dict:
+        server.check_model(model_id)
+        return server.model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: Request, tenant: Tenant) -> Response:
+        return await server.serve(http, await server.chat_job(body, tenant))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request, tenant: Tenant) -> Response:
+        return await server.serve(http, await server.completion_job(body, tenant))
+
+    return app
+
+
+async def _tenant_of(http: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+    tenants: Tenants = http.app.state.tenants
+    return tenants.authenticate(authorization)
+
+
+# Dependencies run before the body is validated: without a valid key, no details about the body leak.
+Tenant = Annotated[str, Depends(_tenant_of)]
+
+
+# -- serving -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """A tokenized request of one tenant, not yet admitted."""
+
+    tenant: str
+    prompt_ids: list[int]
+    body: GenerateBody
+    chat: bool
+    rid: int = field(default_factory=new_request_id)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def param(self) -> str:
+        """The field a length error points at."""
+        return "messages" if self.chat else "prompt"
+
+
+class OpenAIServer:
+    """Turns request bodies into engine requests and engine outputs into responses."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Any) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.started = int(time.time())
+        # Templating and tokenizing run off the event loop, one at a time: a huge prompt must not stall
+        # other streams, and the tokenizer need not be thread-safe.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfence-tokenize")
+
+    def model_card(self) -> dict:
+        name = self.engine.model_name
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "kvfence", "root": name,
+                "parent": None, "max_model_len": self.engine.max_context}
+
+    def check_model(self, model: str | None) -> None:
+        """``None`` (omitted) means the served model; anything else must name it."""
+        if model is not None and model != self.engine.model_name:
+            raise NotFound(f"The model `{model}` does not exist.", param="model")
+
+    async def chat_job(self, body: ChatCompletionRequest, tenant: str) -> Job:
+        self.check_model(body.model)
+        body.check()
+        messages = [m.for_template() for m in body.messages]
+        text = await self._off_loop(self._render, messages)
+        return Job(tenant, await self._encode(text, "messages"), body, chat=True)
+
+    async def completion_job(self, body: CompletionRequest, tenant: str) -> Job:
+        self.check_model(body.model)
+        body.check()
+        if isinstance(body.prompt, str):
+            ids = await self._encode(body.prompt, "prompt")
+        else:
+            ids = self._checked_ids(body.prompt)
+        return Job(tenant, ids, body, chat=False)
+
+    async def serve(self, http: Request, job: Job) -> Response:
+        """Admit ``job``, run it on the engine, and answer as JSON or as an SSE stream."""
+        try:
+            request = self.admit(job)
+        except KvfenceError as err:
+            log_request(job.tenant, job.rid, len(job.prompt_ids), 0, err.status)
+            raise
+        fmt = Format.for_request(job.chat, job.rid, job.created, self.engine.model_name, job.body.include_usage)
+        gen = Generation(self.engine, request)
+        if job.body.stream:
+            return await self._stream(http, gen, fmt)
+        return await self._complete(http, gen, fmt)
+
+    def admit(self, job: Job) -> EngineRequest:
+        """L1: settle ``max_tokens`` and reject what cannot fit the context, before any engine work.
+
+        An omitted ``max_tokens`` means "up to the context limit", which needs at least one free token.
+        """
+        prompt_len, limit = len(job.prompt_ids), self.engine.max_context
+        if prompt_len == 0:
+            raise InvalidRequest("The prompt is empty.", param=job.param)
+        requested = job.body.requested_max_tokens
+        max_tokens = requested if requested is not None else max(limit - prompt_len, 1)
+        if prompt_len + max_tokens > limit:
+            err = ContextLengthExceeded(prompt_len, max_tokens, limit)
+            err.param = job.param
+            raise err
+        return EngineRequest(job.prompt_ids, job.body.sampling_params(max_tokens), tenant=job.tenant, rid=job.rid)
+
+    async def _complete(self, http: Request, gen: Generation, fmt: Format) -> Response:
+        gone = False
+        try:
+            outs = await unless_disconnected(http.receive, gen.run_to_end)
+            gen.status = 200
+        except ClientGone:
+            gone = True
+            return Response(status_code=CLIENT_CLOSED)  # nobody reads it
+        except KvfenceError as err:
+            gen.status = err.status
+            raise
+        finally:
+            await gen.close(client_gone=gone)
+        text = "".join(o.text for o in outs)
+        return JSONResponse(fmt.completion(text, outs[-1].finish_reason, *gen.usage()))
+
+    async def _stream(self, http: Request, gen: Generation, fmt: Format) -> Response:
+        try:
+            first = await unless_disconnected(http.receive, gen.next)
+        except ClientGone:
+            await gen.close(client_gone=True)
+            return Response(status_code=CLIENT_CLOSED)
+        except BaseException as err:
+            gen.status = err.status if isinstance(err, KvfenceError) else 500
+            await gen.close()
+            raise
+        return EventStream(_events(gen, fmt, first), on_close=gen.close)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _render(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except (TemplateError, ValueError) as e:
+            raise InvalidRequest(f"The messages could not be rendered with the chat template: {e}",
+                                 param="messages") from e
+
+    async def _encode(self, text: str, param: str) -> list[int]:
+        try:
+            return await self._off_loop(self._valid_encode, text)
+        except UnicodeError as e:
+            raise InvalidRequest(f"The text is not valid Unicode: {e}", param=param) from e
+
+    def _valid_encode(self, text: str) -> list[int]:
+        text.encode()  # a lone surrogate (from a JSON escape) raises here, not as a tokenizer TypeError
+        return self.tokenizer.encode(text)
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if isinstance(vocab, int) and max(ids) >= vocab:
+            raise InvalidRequest(f"Token id {max(ids)} is out of range; the vocabulary has {vocab} tokens.",
+                                 param="prompt")
+        return ids
+
+
+async def _events(gen: Generation, fmt: Format, first: RequestOutput) -> AsyncIterator[bytes]:
+    """The SSE body: opening chunk, text deltas, finish chunk, usage chunk, ``[DONE]``.
+
+    Sets ``gen.status``; closing the engine iterator is ``EventStream``'s job.
+    """
+    try:
+        for chunk in fmt.opening():
+            yield sse(chunk)
+        out = first
+        while True:
+            if out.text:
+                yield sse(fmt.delta(out.text))
+            if out.finished:
+                break
+            out = await gen.next()
+        yield sse(fmt.finish(out.finish_reason))
+        if fmt.include_usage:
+            yield sse(fmt.usage_chunk(*gen.usage()))
+        gen.status = 200
+    except KvfenceError as err:
+        gen.status = err.status
+        yield sse(err.to_body())
+    except Exception:
+        log.exception("stream of rid=%032x failed", gen.request.rid)
+        gen.status = 500
+        yield sse(KvfenceError("Internal server error.").to_body())
+    yield DONE
+
+
+class Generation:
+    """One request's engine iterator, consumed by exactly one handler.
+
+    ``next`` returns the outputs in order and raises the engine's error as
+    ``KvfenceError``, whether the iterator raised it or an output carried it.
+    ``close`` closes the iterator (which aborts an unfinished request in the
+    engine) shielded from cancellation, and logs the request's line with
+    ``status``. It runs its effects once; later calls do nothing.
+    """
+
+    def __init__(self, engine: EngineClient, request: EngineRequest) -> None:
+        self.request = request
+        self.prompt_len = request.prompt_len  # as admitted; the engine may not change it
+        self.status = 500  # what is logged unless a handler settles it
+        self._it = engine.generate(request)
+        self._tokens = 0
+        self._last: RequestOutput | None = None
+        self._closed = False
+
+    async def next(self) -> RequestOutput:
+        try:
+            out = await anext(self._it)
+        except StopAsyncIteration:
+            raise KvfenceError("The engine ended the request without finishing it.") from None
+        self._check(out)
+        self._tokens += len(out.token_ids)
+        self._last = out
+        return out
+
+    async def run_to_end(self) -> list[RequestOutput]:
+        outs = [await self.next()]
+        while not outs[-1].finished:
+            outs.append(await self.next())
+        return outs
+
+    def usage(self) -> tuple[int, int]:
+        """(prompt_tokens, completion_tokens): the admitted prompt; the engine's completion count, else ours."""
+        return self.prompt_len, (self._last.completion_tokens if self._last else 0) or self._tokens
+
+    async def close(self, client_gone: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        aclose = getattr(self._it, "aclose", None)
+        with anyio.CancelScope(shield=True):
+            try:
+                if aclose is not None:
+                    await aclose()
+            except Exception:  # the engine's cleanup failed; the handler's own outcome still stands
+                log.exception("closing the engine iterator of rid=%032x failed", self.request.rid)
+        status = CLIENT_CLOSED if client_gone else self.status
+        log_request(self.request.tenant, self.request.rid, self.prompt_len, self.usage()[1], status)
+
+    def _check(self, out: RequestOutput) -> None:
+        if out.error is not None:
+            raise out.error
+        if out.finish_reason is FinishReason.ERROR:
+            raise KvfenceError("The engine failed the request.")
+        if out.finish_reason is FinishReason.ABORT:
+            raise ServiceUnavailable("The request was aborted by the server.")
+        if out.prompt_tokens and out.prompt_tokens != self.prompt_len:
+            # The engine computed another prompt than the one admitted (the incident's 1-token placeholder).
+            raise IntegrityError(f"The engine reported {out.prompt_tokens} prompt tokens for a "
+                                 f"{self.prompt_len}-token prompt.")
+
+
+def log_request(tenant: str, rid: int, prompt_tokens: int, completion_tokens: int, status: int) -> None:
+    """The one line per finished request."""
+    log.info("request tenant=%s rid=%032x prompt_tokens=%d completion_tokens=%d status=%d",
+             tenant, rid, prompt_tokens, completion_tokens, status)
+
+
+# -- disconnects ---------------------------------------------------------------
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was complete."""
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, fn: Callable[[], Awaitable[T]]) -> T:
+    """Await ``fn()``; if the client disconnects first, cancel it and raise ``ClientGone``.
+
+    Only call once the request body has been read: this consumes ``receive``.
+    Exceptions from ``fn`` propagate unchanged (not as an exception group).
+    """
+    results: list[T] = []
+    errors: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            await _until_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            results.append(await fn())
+        except Exception as e:
+            errors.append(e)
+        tg.cancel_scope.cancel()
+    if errors:
+        raise errors[0]
+    if not results:
+        raise ClientGone()
+    return results[0]
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that stops pulling events once the client disconnects.
+
+    Afterwards, whatever happened, it closes the event generator and then
+    awaits ``on_close(client_gone)``, both shielded from cancellation.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = False
+        try:
+            await unless_disconnected(receive, partial(self.stream_response, send))
+        except (ClientGone, OSError):
+            gone = True
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self._on_close(gone)
+
+
+# -- errors --------------------------------------------------------------------
+
+
+def _error_response(err: KvfenceError) -> JSONResponse:
+    return JSONResponse(err.to_body(), status_code=err.status)
+
+
+async def _on_kvfence_error(_: Request, err: Exception) -> JSONResponse:
+    assert isinstance(err, KvfenceError)
+    return _error_response(err)
+
+
+async def _on_validation_error(_: Request, err: Exception) -> JSONResponse:
+    assert isinstance(err, RequestValidationError)
+    return _error_response(invalid_request(err.errors()))
+
+
+async def _on_http_error(http: Request, err: Exception) -> JSONResponse:
+    assert isinstance(err, StarletteHTTPException)
+    if err.status_code in (404, 405):
+        message = f"Invalid URL ({http.method} {http.url.path})"
+    else:
+        message = str(err.detail)
+    return JSONResponse(error_body(message, "invalid_request_error"), status_code=err.status_code,
+                        headers=err.headers)
+
+
+def invalid_request(errors: Sequence[Any]) -> InvalidRequest:
+    """The first pydantic/FastAPI validation error as a 400 whose ``param`` names the field."""
+    first = dict(errors[0]) if errors else {}
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "invalid JSON")
+        return InvalidRequest(f"The request body is not valid JSON: {detail} (at character {loc[0] if loc else 0}).")
+    if not loc:
+        return InvalidRequest("The request body must be a JSON object, sent with Content-Type: application/json.")
+    param = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc)
+    if first.get("type") == "missing":
+        return InvalidRequest(f"Missing required parameter: '{param}'.", param=param)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return InvalidRequest(f"Invalid value for '{param}': {msg}", param=param)
+
+
+class InternalErrors:
+    """ASGI middleware: an unexpected exception becomes a logged 500 in OpenAI's format.
+
+    If the response has already started, the exception is logged and re-raised:
+    the server then drops the connection.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            await _error_response(KvfenceError("Internal server error."))(scope, receive, send)

@@ -1,0 +1,87 @@
+"""OpenAI response bodies and stream chunks for chat and text completions.
+
+A ``Format`` turns engine text into the endpoint's JSON. It does not look at
+the engine; ``app.py`` decides what to send and when.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from kvfence.core import FinishReason
+
+_encode = msgspec.json.Encoder().encode
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(event: dict) -> bytes:
+    """One server-sent event carrying ``event`` as JSON."""
+    return b"data: " + _encode(event) + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object, the same shape as ``KvfenceError.to_body()``."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Format:
+    """The shape of one endpoint's responses; ``id`` and ``created`` are fixed per request."""
+
+    chat: bool
+    id: str
+    created: int
+    model: str
+    include_usage: bool = False
+
+    @classmethod
+    def for_request(cls, chat: bool, rid: int, created: int, model: str, include_usage: bool) -> Format:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return cls(chat, f"{prefix}{rid:032x}", created, model, include_usage)
+
+    def completion(self, text: str, finish: FinishReason, prompt_tokens: int, completion_tokens: int) -> dict:
+        """The whole (non-streaming) response."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": finish.value}
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, [choice]) | {"usage": usage(prompt_tokens, completion_tokens)}
+
+    def opening(self) -> list[dict]:
+        """Chunks sent before any text: chat announces the assistant role with empty content."""
+        return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
+
+    def delta(self, text: str) -> dict:
+        return self._chunk({"content": text} if self.chat else text, None)
+
+    def finish(self, finish: FinishReason) -> dict:
+        return self._chunk({} if self.chat else "", finish.value)
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        """The last chunk when ``stream_options.include_usage``: no choices, only usage."""
+        return self._envelope(self._chunk_object, []) | {"usage": usage(prompt_tokens, completion_tokens)}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, delta: dict | str, finish: str | None) -> dict:
+        choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
+        choice |= {"logprobs": None, "finish_reason": finish}
+        chunk = self._envelope(self._chunk_object, [choice])
+        return chunk | {"usage": None} if self.include_usage else chunk
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
