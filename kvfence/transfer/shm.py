@@ -1,0 +1,184 @@
+"""``shm``: the one-host default. The target's region is a POSIX shared-memory file; initiators map it and memcpy.
+
+Liveness: the target holds an exclusive open-file-description lock (``F_OFD_SETLK``)
+on its file for its whole life; the kernel drops it when the target closes or
+dies, ``kill -9`` included. After each copy an initiator asks (one
+``F_OFD_GETLK``) whether the lock is still held; if not, the target closed or
+died, and the write raises ``TransferError`` even though the bytes reached the
+(orphaned) mapping.
+A crashed target's file is unlinked by the first initiator that notices and by
+the next ``Target`` created in the same directory (its lock is free), so
+``kill -9`` leaks nothing for long. Nothing goes through ``multiprocessing``'s
+resource tracker.
+
+Caveat: a child ``fork``-ed (without exec) from the target inherits the lock
+descriptor and keeps the target looking alive until it exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import uuid
+from pathlib import Path
+
+from kvfence.transfer.base import KVInitiator, KVTarget, PeerHandle, Plan, Region, TransferError
+
+log = logging.getLogger(__name__)
+DEFAULT_DIR = "/dev/shm"
+PREFIX = "kvfence-kv-"
+
+
+def probe() -> tuple[bool, str]:
+    """shm needs a writable tmpfs directory (``/dev/shm`` by default)."""
+    if not os.access(DEFAULT_DIR, os.W_OK):
+        return False, f"{DEFAULT_DIR} is not writable (pass dir=... to make_target)"
+    return True, ""
+
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+
+
+def _lock(fd: int) -> bool:
+    """Take a whole-file write lock owned by ``fd``'s open file description; False if someone holds one."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except (BlockingIOError, PermissionError):
+        return False
+    return True
+
+
+def _locked(fd: int) -> bool:
+    """Whether some other open file description holds a lock on the file (one syscall, no exception)."""
+    got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
+
+
+def sweep_stale(directory: str) -> int:
+    """Unlink segments in ``directory`` whose owner is gone (no one holds their lock); returns how many."""
+    swept = 0
+    for path in Path(directory).glob(f"{PREFIX}*"):
+        if path.name.endswith(".tmp"):
+            continue
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            if _lock(fd):
+                path.unlink(missing_ok=True)
+                swept += 1
+                log.warning("shm: removed stale KV segment %s (its target died)", path)
+        finally:
+            os.close(fd)
+    return swept
+
+
+class Target(KVTarget):
+    """A KV region in ``dir``/kvfence-kv-<uuid>, reserved up front (no SIGBUS later) and prefaulted."""
+
+    kind = "shm"
+
+    def __init__(self, nbytes: int, dir: str = DEFAULT_DIR) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"region size must be positive, got {nbytes}")
+        sweep_stale(dir)
+        self.nbytes = nbytes
+        self.path = os.path.join(dir, f"{PREFIX}{uuid.uuid4().hex}")
+        tmp = self.path + ".tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        lock_fd = -1
+        try:
+            # The lock lives on its own open file: mmap dups the mapping fd, which would keep
+            # a lock taken on it held for as long as any view of the region lives.
+            lock_fd = os.open(tmp, os.O_RDWR)
+            if not _lock(lock_fd):  # taken before the name is visible: never seen unlocked while alive
+                raise OSError(f"cannot lock {tmp}")
+            os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now rather than SIGBUS on first write
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            os.rename(tmp, self.path)
+        except BaseException:
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self._lock_fd: int | None = lock_fd
+        self.region = Region(mm)
+        self.buffer = self.region.buffer
+
+    def descriptor(self) -> dict:
+        return {"kind": self.kind, "path": self.path, "nbytes": self.nbytes, "pid": os.getpid()}
+
+    def close(self) -> None:
+        """Unlink the name and drop the lock: initiators' later writes fail. Views stay valid."""
+        if self._lock_fd is None:
+            return
+        Path(self.path).unlink(missing_ok=True)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+        self.region.close()
+
+
+class ShmPeer(PeerHandle):
+    def __init__(self, descriptor: dict, fd: int, mm: mmap.mmap) -> None:
+        super().__init__(descriptor)
+        self.path = descriptor["path"]
+        self.fd = fd
+        self.mm = mm
+        self._anchor = ctypes.c_char.from_buffer(mm)
+        self.address = ctypes.addressof(self._anchor)
+
+    def ensure_alive(self) -> None:
+        """Raise ``TransferError`` unless the target still holds its lock."""
+        if not _locked(self.fd):
+            Path(self.path).unlink(missing_ok=True)  # a dead target cannot clean up after itself
+            raise TransferError(f"shm target {self.path} (pid {self.descriptor.get('pid')}) closed or died")
+
+    def unmap(self) -> None:
+        self._anchor = None
+        self.mm.close()
+        os.close(self.fd)
+
+
+class Initiator(KVInitiator):
+    """Copies with one ``memmove`` per coalesced segment (GIL released), straight into the target's pages."""
+
+    kind = "shm"
+
+    def _connect(self, descriptor: dict) -> PeerHandle:
+        path, nbytes = descriptor["path"], int(descriptor["nbytes"])
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise TransferError(f"shm target {path} not found: it closed, died, or lives on another host") from None
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                raise TransferError(f"shm target {path} is smaller than its descriptor says")
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
+            os.close(fd)
+            raise
+        peer = ShmPeer(descriptor, fd, mm)
+        try:
+            peer.ensure_alive()
+        except TransferError:
+            peer.unmap()
+            raise
+        return peer
+
+    def _write(self, peer: PeerHandle, plan: Plan, deadline: float) -> None:
+        assert isinstance(peer, ShmPeer)
+        src_base, dst_base = self.region.address, peer.address
+        for src, dst, n in plan:
+            ctypes.memmove(dst_base + dst, src_base + src, n)
+        peer.ensure_alive()  # the copy landed in a mapping the target still owns
+
+    def _disconnect(self, peer: PeerHandle) -> None:
+        assert isinstance(peer, ShmPeer)
+        peer.unmap()

@@ -1,0 +1,361 @@
+"""Conformance of every KV data-plane backend (shm, tcp, mooncake, nixl), all held to the same contract.
+
+The target lives in a spawned child process (``TargetProcess``), the initiator
+here. Each check compares the target's whole region with a local mirror of
+what it must hold, so a byte landing anywhere it was not addressed fails too.
+A backend that cannot load fails its tests with the reason; none is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvfence.transfer import (
+    BACKENDS,
+    SegmentError,
+    TransferError,
+    available,
+    make_initiator,
+)
+from kvfence.transfer.harness import TargetProcess
+
+PAGE = 4096
+POOL = (64 << 20) + 64 * PAGE  # a 64 MiB write plus room to place it off zero
+FILL = 0x5A
+DEATH_LIMIT = 5.0  # seconds within which a write to a killed target must raise
+FROZEN_LIMIT = 7.0  # a write to a stopped target: 1 s timeout, but Mooncake's own floor is 5 s
+
+
+def require(kind: str) -> None:
+    ok, why = available(kind)
+    if not ok:
+        pytest.fail(f"{kind} backend unavailable: {why}")
+
+
+class Pair:
+    """An initiator here, a target there, and the mirror of what the target's region must hold."""
+
+    def __init__(self, kind: str) -> None:
+        require(kind)
+        self.kind = kind
+        self.target = TargetProcess(kind, POOL)
+        self.initiator = make_initiator(kind, POOL, timeout=DEATH_LIMIT)
+        self.local = np.frombuffer(self.initiator.buffer, dtype=np.uint8)
+        self.local[:] = np.frombuffer(np.random.default_rng(0).bytes(POOL), dtype=np.uint8)
+        self.peer = self.initiator.connect(self.target.descriptor)
+        self.mirror = np.empty(POOL, dtype=np.uint8)
+        self.reset()
+
+    def reset(self) -> None:
+        self.target.fill(FILL)
+        self.mirror.fill(FILL)
+
+    def expect(self, segments) -> None:
+        for src, dst, n in segments:
+            self.mirror[dst : dst + n] = self.local[src : src + n]
+
+    def write(self, segments) -> None:
+        self.initiator.write(self.peer, segments)
+        self.expect(segments)
+
+    def check(self) -> None:
+        check_image(self.target, self.mirror)
+
+    def close(self) -> None:
+        self.initiator.close()
+        self.target.close()
+
+
+def check_image(target: TargetProcess, mirror: np.ndarray) -> None:
+    """The target's whole region equals ``mirror``; on mismatch, name the first wrong offset."""
+    if target.digest() == xxhash.xxh3_64_intdigest(mirror):
+        return
+    step = 1 << 20
+    for off in range(0, len(mirror), step):
+        got = np.frombuffer(target.read(off, step), dtype=np.uint8)
+        want = mirror[off : off + len(got)]
+        if not np.array_equal(got, want):
+            i = int(np.argmax(got != want))
+            pytest.fail(f"byte {off + i}: target has {got[i]:#x}, expected {want[i]:#x}")
+    pytest.fail("digests differ but no byte does")
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pair(request):
+    p = Pair(request.param)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def fresh(pair):
+    pair.reset()
+    pair.peer = pair.initiator.connect(pair.target.descriptor)  # replaces a peer an earlier test poisoned
+    return pair
+
+
+def random_pages(rng, count: int, pages: int) -> np.ndarray:
+    return rng.choice(pages, size=count, replace=False)
+
+
+# ---------------------------------------------------------------------------- contents
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_backend_is_available(kind):
+    require(kind)
+
+
+def test_pages_land_where_addressed_and_nowhere_else(fresh):
+    rng = np.random.default_rng(1)
+    npages = POOL // PAGE
+    src, dst = random_pages(rng, 300, npages), random_pages(rng, 300, npages)
+    fresh.write([(int(s) * PAGE, int(d) * PAGE, PAGE) for s, d in zip(src, dst, strict=True)])
+    fresh.check()
+
+
+@pytest.mark.parametrize("nbytes", [1, 64, 4096])
+def test_small_writes_at_unaligned_offsets(fresh, nbytes):
+    segs = [(777, 12_345, nbytes), (5 * PAGE + 3, POOL - nbytes, nbytes), (0, 0, nbytes)]
+    fresh.write(segs)
+    for src, dst, n in segs:  # visible to the target as soon as write returned
+        assert fresh.target.read(dst, n) == fresh.local[src : src + n].tobytes()
+    fresh.check()
+
+
+def test_large_64mib_write(fresh):
+    fresh.write([(PAGE, 3 * PAGE + 64, 64 << 20)])
+    fresh.check()
+
+
+def test_many_segments_in_one_write(fresh):
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(1, 2048, size=5000)
+    gaps = rng.integers(0, 3, size=5000) * rng.integers(1, 512, size=5000)  # about a third are adjacent
+    dst = np.cumsum(gaps + lengths) - lengths
+    src = rng.integers(0, POOL - 2048, size=5000)
+    assert dst[-1] + lengths[-1] <= POOL
+    fresh.write(list(zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True)))
+    fresh.check()
+
+
+def test_adjacent_segments_coalesce_and_zero_length_is_a_no_op(fresh):
+    fresh.write([(0, PAGE, 100), (100, PAGE + 100, 100), (200, PAGE + 200, 0), (200, PAGE + 200, 50)])
+    fresh.initiator.write(fresh.peer, [])
+    fresh.check()
+
+
+# ---------------------------------------------------------------------------- concurrency and order
+
+
+def test_threads_write_disjoint_pages_concurrently(fresh):
+    rng = np.random.default_rng(3)
+    pages = random_pages(rng, 4 * 10 * 8, POOL // PAGE).reshape(4, 10, 8)
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            futures = []
+            for w in range(10):
+                segs = [(int(p) * PAGE, int(p) * PAGE, PAGE) for p in pages[t, w]]
+                if w % 2:
+                    futures.append(fresh.initiator.submit(fresh.peer, segs))
+                else:
+                    fresh.initiator.write(fresh.peer, segs)
+            for f in futures:
+                f.result(timeout=30)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    fresh.expect([(int(p) * PAGE, int(p) * PAGE, PAGE) for p in pages.ravel()])
+    fresh.check()
+
+
+def test_submitted_writes_land_in_submission_order(fresh):
+    futures = [fresh.initiator.submit(fresh.peer, [(i * PAGE, 7 * PAGE, PAGE)]) for i in range(30)]
+    fresh.write([(100 * PAGE, 8 * PAGE, PAGE)])  # write() waits for the earlier submissions
+    assert all(f.done() and f.exception() is None for f in futures)
+    fresh.expect([(29 * PAGE, 7 * PAGE, PAGE)])  # last submission wins
+    fresh.check()
+
+
+def test_one_initiator_writes_two_targets_at_once(fresh):
+    other = TargetProcess(fresh.kind, 8 << 20)
+    try:
+        other.fill(FILL)
+        peer2 = fresh.initiator.connect(other.descriptor)
+        mirror2 = np.full(8 << 20, FILL, dtype=np.uint8)
+        segs = [(i * PAGE, (i * 3 % 2048) * PAGE, PAGE) for i in range(512)]
+        futures = [fresh.initiator.submit(fresh.peer, segs[k::4]) for k in range(4)]
+        futures += [fresh.initiator.submit(peer2, segs[k::4]) for k in range(4)]
+        for f in futures:
+            f.result(timeout=30)
+        fresh.expect(segs)
+        for src, dst, n in segs:
+            mirror2[dst : dst + n] = fresh.local[src : src + n]
+        fresh.check()
+        check_image(other, mirror2)
+    finally:
+        other.close()
+
+
+# ---------------------------------------------------------------------------- rejection
+
+
+@pytest.mark.parametrize(
+    "segs",
+    [
+        [(0, POOL - 10, 64)],  # crosses the target's end
+        [(0, POOL, 1)],  # starts at the end
+        [(POOL - 10, 0, 64)],  # crosses the source's end
+        [(0, -PAGE, PAGE)],
+        [(0, 0, -1)],
+        [(0, 2**63 - 1, 2)],  # would overflow a naive bounds check
+        [(0, 0, PAGE), (0, POOL - 1, 2)],  # one bad segment spoils the whole write
+        [(0, 0)],  # malformed
+        [(0.5, 0, 1)],  # not an integer
+        [(i * PAGE, i * PAGE, PAGE) for i in range(20)] + [(0, 0, 1.5)],  # ... also on the NumPy path
+        [(i * PAGE, i * PAGE, PAGE) for i in range(20)] + [(0, 2**64, 1)],  # ... beyond 64 bits
+    ],
+)
+def test_out_of_range_segments_are_rejected_before_sending(fresh, segs):
+    with pytest.raises(SegmentError):
+        fresh.initiator.write(fresh.peer, segs)
+    with pytest.raises(SegmentError):
+        fresh.initiator.submit(fresh.peer, segs)
+    fresh.write([(0, 0, 64)])  # the peer is still usable
+    fresh.check()
+
+
+def test_target_side_refuses_ranges_beyond_its_region(fresh):
+    """A descriptor that overstates the region passes the initiator's check; the target side must refuse.
+
+    shm refuses to map it; tcp's target, Mooncake's and NIXL's engines reject the range itself.
+    """
+    inflated = {**fresh.target.descriptor, "nbytes": 2 * POOL}
+    with pytest.raises(TransferError):
+        liar = fresh.initiator.connect(inflated)
+        fresh.initiator.write(liar, [(0, POOL - 100, PAGE)])
+    with pytest.raises(TransferError):
+        liar = fresh.initiator.connect(inflated)
+        fresh.initiator.write(liar, [(0, POOL + PAGE, PAGE)])
+    fresh.check()  # nothing landed
+    fresh.write([(0, 0, 64)])  # and the honest peer still works
+    fresh.check()
+
+
+def test_descriptor_of_another_kind_is_refused(fresh):
+    other = "tcp" if fresh.kind != "tcp" else "shm"
+    with pytest.raises(TransferError):
+        fresh.initiator.connect({**fresh.target.descriptor, "kind": other})
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_write_to_killed_target_raises_quickly(kind):
+    require(kind)
+    target = TargetProcess(kind, 4 << 20)
+    with make_initiator(kind, 4 << 20, timeout=DEATH_LIMIT) as ini:
+        peer = ini.connect(target.descriptor)
+        ini.write(peer, [(0, 0, PAGE)])
+        target.kill()
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            ini.write(peer, [(0, 0, PAGE)])
+        futures = [ini.submit(peer, [(0, 0, PAGE)]) for _ in range(3)]
+        for f in futures:
+            with pytest.raises(TransferError):
+                f.result(timeout=DEATH_LIMIT)
+        with pytest.raises(TransferError):  # a fresh connection to the dead target fails too
+            ini.write(ini.connect(target.descriptor), [(0, 0, PAGE)])
+        assert time.monotonic() - t0 < DEATH_LIMIT
+    target.close()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_target_killed_during_large_writes(kind):
+    require(kind)
+    target = TargetProcess(kind, 64 << 20)
+    outcome: dict = {"writes": 0}
+    with make_initiator(kind, 64 << 20, timeout=DEATH_LIMIT) as ini:
+        peer = ini.connect(target.descriptor)
+
+        def stream() -> None:
+            try:
+                for _ in range(100_000):
+                    ini.write(peer, [(0, 0, 64 << 20)])
+                    outcome["writes"] += 1
+            except TransferError as e:
+                outcome["error"], outcome["at"] = e, time.monotonic()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while outcome["writes"] < 2 and t.is_alive():
+            time.sleep(0.005)
+        time.sleep(0.01)  # land the kill inside a write more often than not
+        target.kill()
+        killed = time.monotonic()
+        t.join(DEATH_LIMIT + 5)
+        assert not t.is_alive(), "write hung after the target was killed"
+        assert "error" in outcome, outcome
+        assert outcome["at"] - killed < DEATH_LIMIT
+    target.close()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_frozen_target_never_hangs_a_write(kind):
+    """A SIGSTOPped target: the write lands (shm, nixl: its memory is there) or fails in bounded time."""
+    require(kind)
+    target = TargetProcess(kind, 4 << 20)
+    with make_initiator(kind, 4 << 20, timeout=1.0) as ini:
+        peer = ini.connect(target.descriptor)
+        ini.write(peer, [(0, 0, PAGE)])
+        os.kill(target.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            ini.write(peer, [(PAGE, PAGE, PAGE)])
+            landed = True
+        except TransferError:
+            landed = False
+        elapsed = time.monotonic() - t0
+        os.kill(target.proc.pid, signal.SIGCONT)
+        assert elapsed < FROZEN_LIMIT
+        if landed:
+            assert target.read(PAGE, PAGE) == bytes(ini.buffer[PAGE : 2 * PAGE])
+    target.close()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        *[k for k in BACKENDS if k != "nixl"],
+        # Not strict: NIXL announces a closing agent to its peers asynchronously, and until the initiator
+        # has processed that, UCX keeps writing by CMA into the (still live) target process.
+        pytest.param("nixl", marks=pytest.mark.xfail(strict=False, reason="NIXL close reaches peers asynchronously")),
+    ],
+)
+def test_write_after_graceful_target_close_fails(kind):
+    require(kind)
+    target = TargetProcess(kind, 4 << 20)
+    with make_initiator(kind, 4 << 20, timeout=DEATH_LIMIT) as ini:
+        peer = ini.connect(target.descriptor)
+        ini.write(peer, [(0, 0, PAGE)])
+        target.close_target()
+        with pytest.raises(TransferError):
+            ini.write(peer, [(0, 0, PAGE)])
+    target.close()
