@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from kvfence.core import KvfenceError, Request, ServiceUnavailable
 from kvfence.engine.engine import Engine
 from kvfence.engine.scheduler import Sequence, Work
-from kvfence.kvcache.layout import tokens_per_page, transfer_checksum
+from kvfence.kvcache.layout import TAG_BYTES, tokens_per_page, transfer_checksum
 from kvfence.protocol.actions import Action, StartPrefill, StopPrefill
 from kvfence.protocol.messages import Hello, Peers, WorkerDown
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
@@ -118,7 +118,7 @@ class PrefillRunner(Engine):
             region.write_tag(src, seq.rid, epoch, dst, tokens, checksum)
             ship.sums.append(checksum)
             segments += [(layout.page_offset(src), layout.page_offset(dst), tokens * layout.token_bytes),
-                         (layout.tag_offset(src), layout.tag_offset(dst), layout.tag_bytes)]
+                         (layout.tag_offset(src), layout.tag_offset(dst), TAG_BYTES)]
         ship.shipped = upto
         ship.futures.append(self.initiator.submit(ship.peer, _merge(segments)))
 

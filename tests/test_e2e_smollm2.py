@@ -1,0 +1,103 @@
+"""End to end on the real SmolLM2-135M-Instruct: the official openai client against real server processes.
+
+One colocated server and one disaggregated server (1 prefill + 1 decode over shm) serve every test here; the
+disaggregated one must answer exactly like the colocated one under greedy decoding.
+"""
+
+import asyncio
+
+import openai
+import pytest
+
+from tests.server import Server
+
+CANARY = "Repeat exactly: the secret code is ZEBRA-4471."
+PROMPTS = [
+    CANARY,
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "List three prime numbers.",
+    "Translate 'good morning' into Spanish.",
+    "Explain in one sentence what a KV cache is.",
+    "Count from one to ten in words.",
+    "Name a famous painting by Leonardo da Vinci.",
+]
+GREEDY = dict(temperature=0, max_tokens=40)
+
+
+def chat(client: openai.OpenAI, prompt: str, **kw) -> str:
+    reply = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
+                                           **{**GREEDY, **kw})
+    return reply.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def tenants_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    path.write_text('[tenants.alice]\napi_keys = ["sk-alice"]\n\n[tenants.bob]\napi_keys = ["sk-bob"]\n')
+    return path
+
+
+@pytest.fixture(scope="module")
+def colocated(tenants_file):
+    with Server("--mode", "colocated", "--tenants", str(tenants_file), "--max-context", "2048") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tenants_file):
+    with Server("--tenants", str(tenants_file), "--max-context", "2048") as server:
+        yield server
+
+
+@pytest.fixture(params=["colocated", "disaggregated"])
+def server(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_chat_repeats_the_canary(server):
+    assert "ZEBRA-4471" in chat(server.client("sk-alice"), CANARY)
+
+
+def test_streaming_gives_the_same_text(server):
+    client = server.client("sk-alice")
+    stream = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": CANARY}],
+                                            stream=True, **GREEDY)
+    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len(chunks) > 3 and "".join(chunks) == chat(client, CANARY)
+
+
+def test_over_length_prompt_is_400_context_length_exceeded(server):
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(server.client("sk-bob"), "word " * 3000)
+    assert exc.value.status_code == 400 and exc.value.code == "context_length_exceeded"
+
+
+def test_bad_key_is_401(server):
+    with pytest.raises(openai.AuthenticationError):
+        chat(server.client("sk-nobody"), "hi")
+
+
+def test_sixteen_concurrent_streams_match_their_sequential_answers(server):
+    client = server.client("sk-alice")
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" (request {i})" for i in range(16)]
+    sequential = [chat(client, p) for p in prompts]
+
+    async def stream(aclient, prompt):
+        out = await aclient.chat.completions.create(model="smollm2-135m", stream=True,
+                                                    messages=[{"role": "user", "content": prompt}], **GREEDY)
+        return "".join([c.choices[0].delta.content or "" async for c in out if c.choices])
+
+    async def all_at_once():
+        aclient = server.async_client("sk-alice")
+        return await asyncio.gather(*(stream(aclient, p) for p in prompts))
+
+    assert asyncio.run(all_at_once()) == sequential
+
+
+def test_disaggregated_equals_colocated_token_for_token(colocated, disaggregated):
+    for prompt in PROMPTS:
+        kw = dict(max_tokens=48)
+        a = chat(colocated.client("sk-alice"), prompt, **kw)
+        b = chat(disaggregated.client("sk-alice"), prompt, **kw)
+        assert a == b, prompt
