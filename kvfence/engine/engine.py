@@ -16,7 +16,7 @@ from kvfence.core import ContextLengthExceeded, FinishReason, IntegrityError, In
 from kvfence.engine.output import OutputTracker
 from kvfence.engine.sampler import make_generator, sample
 from kvfence.engine.scheduler import Scheduler, Sequence, Work
-from kvfence.kvcache.pages import PageError, PageGrant, PageTable
+from kvfence.kvcache.pages import PageError, PageGrant, PageState, PageTable
 from kvfence.kvcache.pool import KVPool
 from kvfence.model.llama import Model, SeqChunk
 from kvfence.model.tokenizer import Tokenizer
@@ -92,12 +92,16 @@ class Engine:
             outputs += self._sample(work, logits)
         return outputs
 
-    def check_integrity(self) -> None:
-        """Pages held == pages granted to live sequences, and the page table is consistent."""
+    def check_integrity(self, also_held: list[int] = ()) -> None:
+        """The page table is consistent, and the pages it says are held are exactly those of live requests
+        (plus ``also_held``: pages other owners on this thread hold, e.g. grants awaiting a transfer)."""
         self.pages.check_integrity()
-        held = sorted(g.page for s in self.seqs.values() for g in s.grants)
-        if held != sorted(np.flatnonzero(self.pages.state != 0).tolist()):
-            raise PageError("pages held by the table differ from pages held by live requests")
+        held = sorted([g.page for s in self.seqs.values() for g in s.grants] + list(also_held))
+        state = self.pages.state
+        table = np.flatnonzero((state >= PageState.GRANTED) & (state <= PageState.READY)).tolist()
+        if held != table:
+            raise PageError(f"pages held by the table ({len(table)}) differ from pages held by live requests "
+                            f"({len(held)})")
 
     # -- internals -----------------------------------------------------------
 

@@ -21,7 +21,7 @@ from kvfence.workers.channel import Channel
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT_S = 3.0
+HEARTBEAT_TIMEOUT_S = 5.0  # local deaths are seen sooner: the supervisor watches exit codes
 POLL_MIN_S, POLL_MAX_S = 0.0005, 0.01
 
 

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import zmq
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import Engine
 from kvfence.kvcache.layout import KVLayout
 from kvfence.kvcache.pool import KVPool
 from kvfence.protocol.actions import Action, Send
-from kvfence.protocol.messages import Hello, Message
+from kvfence.protocol.messages import Hello, Message, encode_message
 from kvfence.safety import Safety
 from kvfence.workers.channel import Channel
 
@@ -103,6 +106,9 @@ class WorkerBase:
     def has_work(self) -> bool:
         return self.engine.has_work
 
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
     def execute(self, action: Action, now: float) -> list[Action]:
         """Carry out one action; may return follow-up actions."""
         if isinstance(action, Send):
@@ -118,7 +124,9 @@ class WorkerBase:
             print(banner, file=sys.stderr, flush=True)
         log.info("%s worker %s ready (pool %d tokens, transfer %s)", self.role, self.me, self.settings.pool_tokens,
                  self.settings.transfer)
-        next_tick = next_hello = 0.0
+        self._latest_hello = self.hello()
+        threading.Thread(target=self._heartbeat, name="kvfence-heartbeat", daemon=True).start()
+        next_tick = 0.0
         idle_checked = False
         while True:
             now = clock()
@@ -129,14 +137,27 @@ class WorkerBase:
                 self._do(self.step(now), now)
                 idle_checked = False
             elif not idle_checked:
-                self.engine.check_integrity()  # idle: every held page belongs to a live request
+                self.check_integrity()  # idle: every held page belongs to a live request
                 idle_checked = True
             if now >= next_tick:
                 self._do(self.tick(now), now)
                 next_tick = now + TICK_S
-            if now >= next_hello:
-                self.channel.send(self.settings.router, self.hello())
-                next_hello = now + HEARTBEAT_S
+            self._latest_hello = self.hello()
+
+    def _heartbeat(self) -> None:
+        """Say Hello to the router every HEARTBEAT_S from a thread of its own, so a long step never looks like death.
+
+        Uses its own socket: ZeroMQ sockets are not thread-safe.
+        """
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.settings.router)
+        while True:
+            try:
+                sock.send(encode_message(self.me, self._latest_hello), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            time.sleep(HEARTBEAT_S)
 
     def _do(self, actions: list[Action], now: float) -> None:
         while actions:

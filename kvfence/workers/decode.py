@@ -39,6 +39,9 @@ class DecodeWorker(WorkerBase):
     def engine(self) -> Engine:
         return self._engine
 
+    def check_integrity(self) -> None:
+        self._engine.check_integrity([g.page for r in self.core.reqs.values() for g in r.grants])
+
     def hello(self) -> Hello:
         sched = self._engine.scheduler
         return Hello(self.me, self.role, self.me, self.target.descriptor(), self.settings.pool_tokens,
