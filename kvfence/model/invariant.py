@@ -1,0 +1,149 @@
+"""Batch-invariant ``x @ w.T``: every output row is bit-identical whatever else is in the call.
+
+BLAS libraries pick their kernel, and with it the order of the K reduction, from the number of rows M. Measured
+on this machine kind (torch 2.13, oneDNN with AMX, 2 threads): in bf16, M <= 32 reproduces M = 1 exactly but
+many larger M do not (576x960: 33..479 and 1441..1918 differ; 576x3072: 33..704); in fp32 (MKL), M = 1, M = 2..15
+and M >= 16 are three different kernels for some shapes, and M = 58..190 a fourth for 1536x576. Which M are safe
+is a property of (shape, dtype, thread count, library, CPU), so it is measured here rather than assumed.
+
+``calibrate`` finds a canonical way to compute one row (alone, in a zero-padded call of ``min_rows`` rows), the
+largest ``small_max`` such that every M in [min_rows, small_max] reproduces it at every position, and the larger
+call sizes (``big``) that do too. ``matmul`` then splits x into blocks of verified sizes only, padding the last one
+when that is cheaper than several small calls. A call of one row is always consistent with itself, so the worst
+case (``RowBlocks(1, 1)``) is slow but never wrong.
+
+The probe makes any change of reduction order visible: every row holds +H and -H (H = 2**14) at the two ends of K,
+so partial sums stay large while the exact result is small, and a different order changes most output elements
+(measured: thousands of mismatches per call where random data shows 0..7).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BIG_CANDIDATES = (64, 128, 192, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+# Small M checked (each kernel switch seen so far sits at 2, 4, 16, 33 or 58); the scan stops at the first failure.
+SMALL_SCAN = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 17, 20, 24, 28, 31, 32, 33, 40, 48, 56, 57, 58, 64)
+PROBE_ROWS = 16  # distinct probe rows; longer probes repeat them
+_SMALL_COST = 3.0  # a row in a call of <= 32 rows costs about this many rows of a large call (measured 2.5..4.5)
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """Verified call sizes for one weight shape: any M in ``min_rows..small_max``, and each size in ``big``."""
+
+    min_rows: int
+    small_max: int
+    big: tuple[int, ...] = ()
+    _plans: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    def split(self, rows: int) -> tuple[tuple[int, int], ...]:
+        """``(rows, call_rows)`` per block, in order; only the last block may be padded (call_rows > rows)."""
+        plan = self._plans.get(rows)
+        if plan is None:
+            plan = self._plans[rows] = tuple(self._split(rows))
+        return plan
+
+    def _split(self, rem: int) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        while rem > self.small_max:
+            fits = max((c for c in self.big if c <= rem), default=0)
+            if fits:  # a full verified call, no padding
+                out.append((fits, fits))
+                rem -= fits
+                continue
+            up = min((c for c in self.big if c >= rem), default=0)
+            if up and up < _SMALL_COST * rem:  # one padded call beats several small ones
+                return [*out, (rem, up)]
+            break
+        while rem > 0:
+            n = min(rem, self.small_max)
+            out.append((n, max(n, self.min_rows)))
+            rem -= n
+        return out
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, blocks: RowBlocks) -> torch.Tensor:
+    """``x @ w.T`` for x ``[T, K]`` and w ``[N, K]`` (both contiguous), in verified row blocks -> ``[T, N]``."""
+    rows, plan = x.shape[0], blocks.split(x.shape[0])
+    if len(plan) == 1:
+        return _call(_pad(x, plan[0][1]), w)[:rows]
+    outs, start = [], 0
+    for n, call in plan:
+        outs.append(_call(_pad(x[start : start + n], call), w)[:n])
+        start += n
+    return torch.cat(outs)
+
+
+@functools.lru_cache(maxsize=None)
+def calibrate(
+    n: int, k: int, dtype: torch.dtype, device: str = "cpu", threads: int = 0, max_rows: int = 2048, big: bool = True
+) -> RowBlocks:
+    """Verified row blocks for a ``[n, k]`` weight of ``dtype``.
+
+    ``threads`` (the torch thread count) only keys the cache. ``big=False`` skips the large call sizes: for a weight
+    that sees few rows per call (an lm_head), where checking them would cost seconds.
+    """
+    sparse = not big
+    w, x = _probe(n, k, max_rows if big else max(SMALL_SCAN), dtype, device)
+    options = []
+    for min_rows in (1, 4, 16):
+        canon = _canonical(x[:PROBE_ROWS], w, min_rows)  # [PROBE_ROWS, n]
+        ref = canon.repeat(math.ceil(x.shape[0] / PROBE_ROWS), 1)  # row i of any verified call == ref[i]
+        small_max = _small_max(x, w, ref, min_rows)
+        if small_max < min_rows:
+            continue
+        sizes = () if sparse or small_max < 8 else tuple(_verified_big(x, w, ref, small_max, max_rows))
+        options.append(RowBlocks(min_rows, small_max, sizes))
+        if small_max >= 32 and (sparse or sizes):
+            break
+    best = max(options, key=lambda o: (o.small_max >= 32 and bool(o.big or sparse), o.small_max), default=RowBlocks(1, 1))
+    log.debug("row blocks for [%d, %d] %s: %s", n, k, dtype, best)
+    return best
+
+
+def _call(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The one GEMM entry point, for calibration and inference alike; one row goes through ``mv`` (faster)."""
+    return torch.mv(w, x[0]).unsqueeze(0) if x.shape[0] == 1 else torch.mm(x, w.t())
+
+
+def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x if x.shape[0] == rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
+
+
+def _probe(n: int, k: int, rows: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight ``[n, k]`` and rows ``[rows, k]`` whose products cancel: +H w at k=0, -H w at k=-1."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(PROBE_ROWS, k, generator=gen)
+    w[:, 0] = w[:, -1] = 1.0
+    x[:, 0], x[:, -1] = 2.0**14, -(2.0**14)
+    x = x.repeat(math.ceil(rows / PROBE_ROWS), 1)[:rows]
+    return w.to(device, dtype), x.to(device, dtype)
+
+
+def _canonical(x: torch.Tensor, w: torch.Tensor, min_rows: int) -> torch.Tensor:
+    """Each row of x computed alone, at position 0 of a zero-padded call of ``min_rows`` rows."""
+    return torch.cat([_call(_pad(x[i : i + 1], min_rows), w)[:1] for i in range(x.shape[0])])
+
+
+def _small_max(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, min_rows: int) -> int:
+    best = 0
+    for m in (m for m in SMALL_SCAN if m >= min_rows):
+        if not torch.equal(_call(x[:m], w), ref[:m]):
+            break
+        best = m
+    return best
+
+
+def _verified_big(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, small_max: int, max_rows: int):
+    for c in BIG_CANDIDATES:
+        if small_max < c <= max_rows and torch.equal(_call(x[:c], w), ref[:c]):
+            yield c

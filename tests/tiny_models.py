@@ -1,0 +1,153 @@
+"""Test fixtures: tiny random-weight HF model directories (llama, qwen2, qwen3) and the real SmolLM2, loaded once.
+
+``tiny_model_dir(arch)`` writes, once per machine (cached under the temp dir, atomically), a directory with
+``config.json``, ``model.safetensors``, ``tokenizer.json`` (SmolLM2's real tokenizer, vocab 49152),
+``tokenizer_config.json`` (chat template, bos/eos) and ``generation_config.json``. Weights are random but not
+trivial (norm weights and biases randomized), so a wrong layout shows up in the logits. Each loads in well
+under a second with ``load_model(str(path))``.
+
+``smollm2(dtype)`` loads the bundled SmolLM2 GGUF once per process and dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvfence.model.loader import LoadedModel, load_model, read_gguf_metadata, smollm2_gguf_path
+from kvfence.model.tokenizer import Tokenizer
+
+ARCHS = ("llama", "qwen2", "qwen3")
+_VERSION = "v1"  # bump when the fixtures change
+_CACHE = Path(tempfile.gettempdir()) / f"kvfence-test-models-{_VERSION}"
+
+TINY = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    initializer_range=0.2,  # peaked logits: greedy choices are not near-ties
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+# llama: tied embeddings, llama3 rope scaling; qwen2: q/k/v bias, untied; qwen3: q/k norm, head_dim != hidden/heads
+EXTRA = {
+    "llama": dict(
+        tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256),
+    ),
+    "qwen2": dict(tie_word_embeddings=False),
+    "qwen3": dict(tie_word_embeddings=False, head_dim=32),
+}
+
+
+@functools.cache
+def smollm2(dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+    """The bundled SmolLM2-135M-Instruct, loaded once per process and dtype."""
+    return load_model("smollm2-135m", dtype=dtype)
+
+
+@functools.cache
+def smollm2_tokenizer() -> Tokenizer:
+    """SmolLM2's tokenizer from the GGUF (reads metadata only; ~3 s once per process)."""
+    return Tokenizer.from_gguf_fields(read_gguf_metadata(smollm2_gguf_path())[0])
+
+
+def tiny_model_dir(arch: str) -> Path:
+    """Path of the tiny ``arch`` model directory, creating it (once per machine) if needed."""
+    path = _CACHE / arch
+    if not (path / "model.safetensors").exists():
+        _atomic_dir(path, lambda tmp: _write_tiny_model(arch, tmp))
+    return path
+
+
+def tokenizer_files_dir() -> Path:
+    """A directory holding only SmolLM2's ``tokenizer.json`` + ``tokenizer_config.json`` (built from the GGUF)."""
+    path = _CACHE / "tokenizer"
+    if not (path / "tokenizer.json").exists():
+        _atomic_dir(path, _write_tokenizer)
+    return path
+
+
+def _atomic_dir(path: Path, fill) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    try:
+        fill(tmp)
+        os.rename(tmp, path)  # fails if another process won the race; theirs is as good
+    except OSError:
+        if not (path / "tokenizer_config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_tokenizer(path: Path) -> None:
+    tok = smollm2_tokenizer()
+    tok.backend.save(str(path / "tokenizer.json"))
+    config = dict(
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
+        pad_token=tok.eos_token,
+        unk_token="<|endoftext|>",
+        chat_template=tok.chat_template,
+        add_bos_token=False,
+        model_max_length=8192,
+        tokenizer_class="PreTrainedTokenizerFast",
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _write_tiny_model(arch: str, path: Path) -> None:
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    config = cls(**TINY, **EXTRA[arch])
+    torch.manual_seed(ARCHS.index(arch))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    src = tokenizer_files_dir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, path / f)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2]}))
+
+
+def greedy(model, ids: list[int], max_new: int, eos: frozenset[int] = frozenset(), chunk: int = 512,
+           page_size: int = 16) -> list[int]:
+    """Greedy continuation of ``ids`` with ``Model.forward``: prefill in ``chunk``-token chunks, then decode.
+
+    Uses a private KVPool and pages 0, 1, 2, ... in order; stops after ``max_new`` tokens or an ``eos`` token
+    (which is included).
+    """
+    from kvfence.kvcache.pool import KVPool
+    from kvfence.model.llama import SeqChunk
+
+    total = len(ids) + max_new
+    pool = KVPool(model.config, -(-total // page_size), page_size, model.dtype)
+    pages = list(range(pool.num_pages))
+    for start in range(0, len(ids), chunk):
+        logits = model.forward([SeqChunk(ids[start : start + chunk], start, pages)], pool)
+    out: list[int] = []
+    while True:
+        out.append(int(logits[0].argmax()))
+        if len(out) == max_new or out[-1] in eos:
+            return out
+        logits = model.forward([SeqChunk(out[-1:], len(ids) + len(out) - 1, pages)], pool)
