@@ -162,6 +162,7 @@ class Hello(Msg, frozen=True):
     free_pages: int = 0
     queued_tokens: int = 0
     running: int = 0
+    pid: int = 0
 
 
 class Peers(Msg, frozen=True):

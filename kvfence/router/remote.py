@@ -34,6 +34,7 @@ class RemoteEngine:
         self.core = RouterCore(self.me, max_context, safety)
         self.expected_workers = expected_workers
         self._sinks: dict[int, asyncio.Queue] = {}
+        self.assigned: dict[str, int] = {}  # requests sent to each worker since start
         self._last_seen: dict[str, float] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -46,6 +47,9 @@ class RemoteEngine:
         finished = False
         try:
             self._do(self.core.submit(request))
+            pair = self.core.reqs.get(request.rid)
+            for worker in (pair.prefill, pair.decode) if pair else ():
+                self.assigned[worker] = self.assigned.get(worker, 0) + 1
             while not finished:
                 out: RequestOutput = await sink.get()
                 if out.error is not None:
@@ -59,7 +63,8 @@ class RemoteEngine:
                 self._do(self.core.client_gone(request.rid))
 
     def health(self) -> dict:
-        workers = {w: {"role": i.hello.role, "in_flight": i.in_flight, "free_pages": i.hello.free_pages,
+        workers = {w: {"role": i.hello.role, "pid": i.hello.pid, "in_flight": i.in_flight,
+                       "assigned": self.assigned.get(w, 0), "free_pages": i.hello.free_pages,
                        "running": i.hello.running} for w, i in self.core.workers.items()}
         ready = sum(1 for i in self.core.workers.values() if i.hello.role == "decode") and \
             sum(1 for i in self.core.workers.values() if i.hello.role == "prefill")

@@ -8,6 +8,7 @@ scheduler share one page table.
 
 from __future__ import annotations
 
+import os
 import time
 
 from kvfence.core import FinishReason, Request, RequestOutput
@@ -46,7 +47,7 @@ class DecodeWorker(WorkerBase):
         sched = self._engine.scheduler
         return Hello(self.me, self.role, self.me, self.target.descriptor(), self.settings.pool_tokens,
                      self.settings.max_context, free_pages=self._engine.pages.num_free,
-                     queued_tokens=len(self.core.waiting), running=len(sched.running))
+                     queued_tokens=len(self.core.waiting), running=len(sched.running), pid=os.getpid())
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, WorkerDown):

@@ -9,6 +9,7 @@ transfers overlap the next chunk's compute).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -159,7 +160,8 @@ class PrefillWorker(WorkerBase):
         sched = self.runner.scheduler
         queued = sum(s.req.prompt_len - s.num_computed for s in (*sched.waiting, *sched.running))
         return Hello(self.me, self.role, self.me, {}, self.settings.pool_tokens, self.settings.max_context,
-                     free_pages=self.runner.pages.num_free, queued_tokens=queued, running=len(sched.running))
+                     free_pages=self.runner.pages.num_free, queued_tokens=queued, running=len(sched.running),
+                     pid=os.getpid())
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, Peers):
