@@ -101,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_colocated(args)
     from kvfence.workers.supervisor import Supervisor, free_tcp_address
 
-    loaded, max_context = load(args)
+    name, tokenizer, max_context = describe(args)
     pool = args.kv_pool_tokens or 4 * max_context
     router_addr = free_tcp_address()
     workers = []
@@ -109,29 +109,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    ("decode", args.decode, args.decode_pool_tokens)):
         workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, role_pool or pool)
                     for _ in range(count)]
-    engine = make_remote_engine(args, router_addr, None, loaded, max_context, len(workers))
+    engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers))
     supervisor = Supervisor(workers, engine.worker_died)
     supervisor.start()
     log.info("started %d prefill and %d decode workers (transfer %s)", args.prefill, args.decode, args.transfer)
     try:
-        return run_http(args, engine, loaded.tokenizer, supervisor)
+        return run_http(args, engine, tokenizer, supervisor)
     finally:
         supervisor.stop()
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    loaded, max_context = load(args)
-    engine = make_remote_engine(args, args.bind, args.advertise, loaded, max_context, 0)
-    return run_http(args, engine, loaded.tokenizer, None)
+    name, tokenizer, max_context = describe(args)
+    engine = make_remote_engine(args, args.bind, args.advertise, name, max_context, 0)
+    return run_http(args, engine, tokenizer, None)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from kvfence.model.loader import load_model
+    from kvfence.model.loader import describe_model
     from kvfence.workers.supervisor import run_worker
 
-    max_context = args.max_context
-    if max_context is None:
-        max_context = load_model(args.model, device="cpu").config.max_context
+    max_context = served_context(args, describe_model(args.model)[1].max_context)
     settings = worker_settings(args, args.role, args.bind, args.router, max_context,
                                args.kv_pool_tokens or 4 * max_context, advertise=args.advertise)
     run_worker(settings, supervised=False)
@@ -174,7 +172,24 @@ def load(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=dtype_of(args), device=args.device)
-    return loaded, args.max_context or loaded.config.max_context
+    return loaded, served_context(args, loaded.config.max_context)
+
+
+def describe(args: argparse.Namespace):
+    """What the router needs, without loading weights: (served name, tokenizer, max_context)."""
+    from kvfence.model.loader import describe_model
+
+    name, config, tokenizer = describe_model(args.model)
+    return args.served_model_name or name, tokenizer, served_context(args, config.max_context)
+
+
+def served_context(args: argparse.Namespace, model_context: int) -> int:
+    if args.max_context is None:
+        return model_context
+    if not 0 < args.max_context <= model_context:
+        sys.exit(f"kvfence: --max-context {args.max_context} must be between 1 and the model's context length "
+                 f"({model_context})")
+    return args.max_context
 
 
 def worker_settings(args, role: str, bind: str, router: str, max_context: int, pool_tokens: int,
@@ -188,12 +203,11 @@ def worker_settings(args, role: str, bind: str, router: str, max_context: int, p
         emulate_incident=getattr(args, "emulate_incident", False), threads=args.threads, log_level=args.log_level)
 
 
-def make_remote_engine(args, bind: str, advertise: str | None, loaded, max_context: int, expected: int):
+def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int):
     from kvfence.router.remote import RemoteEngine
     from kvfence.safety import Safety
 
-    return RemoteEngine(bind, args.served_model_name or loaded.name, max_context, Safety.from_env(), advertise,
-                        expected_workers=expected)
+    return RemoteEngine(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected)
 
 
 def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
