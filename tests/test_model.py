@@ -38,13 +38,22 @@ PROMPTS = [
 def varied_text(words: int, seed: int = 0) -> str:
     """Deterministic, varied English-like text (many distinct tokens, digits, punctuation)."""
     rng = random.Random(seed)
-    subjects = ["The engineer", "A small cat", "Our team", "The old library", "Every river", "This algorithm", "My aunt"]
+    subjects = [
+        "The engineer",
+        "A small cat",
+        "Our team",
+        "The old library",
+        "Every river",
+        "This algorithm",
+        "My aunt",
+    ]
     verbs = ["measured", "painted", "ignored", "rebuilt", "carried", "compared", "described", "forgot"]
     objects = ["the bridge", "forty-two apples", "a quiet evening", "the cache", "seven blue doors", "the 1999 report"]
     tails = ["before noon", "in Lisbon", "with great care", "for 3.5 hours", "under the rain", "without a map"]
     out = []
     while sum(len(s.split()) for s in out) < words:
-        out.append(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(tails)} (#{rng.randrange(1000)}).")
+        words_ = (rng.choice(subjects), rng.choice(verbs), rng.choice(objects), rng.choice(tails))
+        out.append(" ".join(words_) + f" (#{rng.randrange(1000)}).")
     return " ".join(out)
 
 
@@ -108,8 +117,20 @@ def test_smollm2_config(f32):
 
 
 def test_unpermute_inverts_llama_cpp_permute():
-    cfg = ModelConfig("llama", 10, 48, 8, 1, num_heads=6, num_kv_heads=2, head_dim=8, rope_theta=1e4,
-                      rms_norm_eps=1e-5, max_context=16, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        "llama",
+        10,
+        48,
+        8,
+        1,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_context=16,
+        tie_word_embeddings=True,
+    )
 
     def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -153,15 +174,22 @@ def test_logits_match_transformers(f32, hf):
 
 
 def test_greedy_matches_transformers(f32, hf):
-    eos = frozenset([hf.generation_config.eos_token_id]) if isinstance(hf.generation_config.eos_token_id, int) \
+    eos = (
+        frozenset([hf.generation_config.eos_token_id])
+        if isinstance(hf.generation_config.eos_token_id, int)
         else frozenset(hf.generation_config.eos_token_id)
+    )
     for messages in [*PROMPTS, LONG_PROMPT]:
         ids = f32.tokenizer.encode(f32.tokenizer.apply_chat_template(messages))
         n = 16 if messages is LONG_PROMPT else 24
         ours = greedy(f32.model, ids, n, eos=eos, chunk=512)
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
+            ref = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=n,
+                do_sample=False,
+            )[0, len(ids) :].tolist()
         assert ours == ref, (messages[-1]["content"][-60:], f32.tokenizer.decode(ours), f32.tokenizer.decode(ref))
     assert len(ids) > 1400  # the long prompt really is long, and was prefilled in 3 chunks
 
@@ -216,65 +244,66 @@ def test_sequences_with_scattered_pages_do_not_mix(bf16):
 
 
 class Bench:
-    """A target sequence with context in the pool, and neighbours to put next to it."""
+    """Three target chunks (a decode, a chunk after context, a fresh prefill) and neighbours to put around them.
 
-    def __init__(self, loaded, long_prefill: int):
-        self.model, cfg, tok = loaded.model, loaded.config, loaded.tokenizer
-        self.pool = KVPool(cfg, 600, 16, self.model.dtype)
+    Each target has its own sequence and pages; the decode neighbours have 40 tokens of context each.
+    """
+
+    def __init__(self, loaded, long_prefill: int, decoders: int):
+        self.model, tok = loaded.model, loaded.tokenizer
+        self.pool = KVPool(loaded.config, 700, 16, self.model.dtype)
         text = tok.encode(varied_text(2000, seed=3))
-        self.ctx, self.chunk = text[:300], text[300:340]
-        self.long = text[:long_prefill]
-        self.page = iter(range(600))
-        self.target_pages = self.pages(360)
-        self.model.forward([SeqChunk(self.ctx, 0, self.target_pages)], self.pool)
-        # 31 decode neighbours with 40 tokens of context each, prefilled together in one call
-        self.decoders = [(text[400 + 40 * i : 440 + 40 * i], self.pages(41)) for i in range(31)]
-        self.model.forward([SeqChunk(c, 0, p) for c, p in self.decoders], self.pool)
-        self.long_pages = self.pages(long_prefill)
+        self.next_page = iter(range(700))
+        ctx, chunk = text[:300], text[300:340]
+        seq_a, seq_b = self.pages(301), self.pages(340)
+        self.targets = {
+            "decode": SeqChunk([chunk[0]], 300, seq_a),
+            "chunk after context": SeqChunk(chunk, 300, seq_b),
+            "fresh prefill": SeqChunk(text[1000:1050], 0, self.pages(50)),
+        }
+        self.decoders = [SeqChunk(text[400 + 40 * i : 440 + 40 * i], 0, self.pages(41)) for i in range(decoders)]
+        self.model.forward([SeqChunk(ctx, 0, seq_a), SeqChunk(ctx, 0, seq_b), *self.decoders], self.pool)
+        self.long = SeqChunk(text[:long_prefill], 0, self.pages(long_prefill))
 
     def pages(self, tokens: int) -> list[int]:
-        return [next(self.page) for _ in range(-(-tokens // 16))]
+        return [next(self.next_page) for _ in range(-(-tokens // 16))]
 
-    def decodes(self, n: int) -> list[SeqChunk]:
-        return [SeqChunk([7 + i], 40, p) for i, (_, p) in enumerate(self.decoders[:n])]
+    def decodes(self, n: int, first: int = 0) -> list[SeqChunk]:
+        return [SeqChunk([7 + i], 40, d.page_ids) for i, d in enumerate(self.decoders[first : first + n])]
 
-    def prefill_neighbour(self) -> SeqChunk:
-        return SeqChunk(self.long, 0, self.long_pages)
+    def run(self, batch: list[SeqChunk]) -> dict[str, torch.Tensor]:
+        """Every target's logits (all rows of its chunk) from one call on ``batch``."""
+        logits, rows, start = self.model.forward(batch, self.pool, all_logits=True), {}, 0
+        for c in batch:
+            rows[id(c)] = logits[start : start + len(c.token_ids)]
+            start += len(c.token_ids)
+        return {name: rows[id(t)] for name, t in self.targets.items() if id(t) in rows}
 
-    def run(self, target: SeqChunk, before: list[SeqChunk], after: list[SeqChunk]) -> torch.Tensor:
-        """The target's logits (every row of its chunk) when it shares the call with ``before`` and ``after``."""
-        logits = self.model.forward([*before, target, *after], self.pool, all_logits=True)
-        start = sum(len(c.token_ids) for c in before)
-        return logits[start : start + len(target.token_ids)]
 
-
-def check_invariance(loaded, long_prefill: int) -> None:
-    bench = Bench(loaded, long_prefill)
-    targets = {
-        "decode": SeqChunk([bench.chunk[0]], 300, bench.target_pages),
-        "chunk with context": SeqChunk(bench.chunk, 300, bench.target_pages),
-        "fresh prefill": SeqChunk(bench.ctx[:50], 0, bench.target_pages),
+def check_invariance(loaded, long_prefill: int, decoders: int) -> None:
+    bench = Bench(loaded, long_prefill, decoders)
+    a, b, c = bench.targets.values()
+    alone = {name: bench.run([t])[name] for name, t in bench.targets.items()}
+    half = decoders // 2
+    neighbourhoods = {
+        "targets only": [c, a, b],
+        f"{decoders} decodes around": [*bench.decodes(half), a, b, *bench.decodes(decoders - half, half), c],
+        f"a {long_prefill}-token prefill first": [bench.long, b, c, a],
+        "decodes and a long prefill": [a, *bench.decodes(8), bench.long, c, b],
     }
-    for name, target in targets.items():
-        alone = bench.run(target, [], [])
-        neighbourhoods = {
-            "1 decode after": ([], bench.decodes(1)),
-            "31 decodes around": (bench.decodes(15), bench.decodes(31)[15:]),
-            f"{long_prefill}-token prefill before": ([bench.prefill_neighbour()], []),
-            "decodes and a long prefill": (bench.decodes(8), [bench.prefill_neighbour()]),
-        }
-        for where, (before, after) in neighbourhoods.items():
-            assert torch.equal(bench.run(target, before, after), alone), f"{name} / {where}"
-        last_row = loaded.model.forward([*bench.decodes(3), target], bench.pool)[-1]
-        assert torch.equal(last_row, alone[-1]), f"{name} / default logits"
+    for where, batch in neighbourhoods.items():
+        for name, logits in bench.run(batch).items():
+            assert torch.equal(logits, alone[name]), f"{name} / {where}"
+    last_rows = loaded.model.forward([*bench.decodes(3), a, b, c], bench.pool)[-3:]  # default: last token per chunk
+    assert torch.equal(last_rows, torch.stack([alone[n][-1] for n in bench.targets])), "default logits"
 
 
 def test_batch_invariance_bf16(bf16):
-    check_invariance(bf16, long_prefill=2048)  # up to 2048 + 40 + 31 rows in one call
+    check_invariance(bf16, long_prefill=2048, decoders=31)  # up to 2048 + 91 + 8 rows in one call
 
 
 def test_batch_invariance_fp32(f32):
-    check_invariance(f32, long_prefill=700)
+    check_invariance(f32, long_prefill=400, decoders=15)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

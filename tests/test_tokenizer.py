@@ -67,7 +67,10 @@ def hf_hub_split(hf):
 
     tok = copy.deepcopy(hf)
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     return tok
 
@@ -145,12 +148,22 @@ def test_hf_dir_tokenizer_matches_gguf(ours):
 
 
 def test_template_is_sandboxed_and_can_raise(ours):
-    bad = Tokenizer(ours.backend, chat_template="{{ raise_exception('no system role') }}", bos_token=None,
-                    eos_token=None, eos_token_ids=[2])
+    bad = Tokenizer(
+        ours.backend,
+        chat_template="{{ raise_exception('no system role') }}",
+        bos_token=None,
+        eos_token=None,
+        eos_token_ids=[2],
+    )
     with pytest.raises(jinja2.TemplateError, match="no system role"):
         bad.apply_chat_template(CONVERSATIONS[0])
-    sneaky = Tokenizer(ours.backend, chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}",
-                       bos_token=None, eos_token=None, eos_token_ids=[2])
+    sneaky = Tokenizer(
+        ours.backend,
+        chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}",
+        bos_token=None,
+        eos_token=None,
+        eos_token_ids=[2],
+    )
     with pytest.raises(jinja2.exceptions.SecurityError):
         sneaky.apply_chat_template(CONVERSATIONS[0])
 

@@ -1,10 +1,10 @@
 """Test fixtures: tiny random-weight HF model directories (llama, qwen2, qwen3) and the real SmolLM2, loaded once.
 
-``tiny_model_dir(arch)`` writes, once per machine (cached under the temp dir, atomically), a directory with
-``config.json``, ``model.safetensors``, ``tokenizer.json`` (SmolLM2's real tokenizer, vocab 49152),
-``tokenizer_config.json`` (chat template, bos/eos) and ``generation_config.json``. Weights are random but not
-trivial (norm weights and biases randomized), so a wrong layout shows up in the logits. Each loads in well
-under a second with ``load_model(str(path))``.
+``tiny_model_dir(arch)`` writes, once per machine and version of the code that builds it (cached under the temp
+dir, atomically), a directory with ``config.json``, ``model.safetensors``, ``tokenizer.json`` (SmolLM2's real
+tokenizer, vocab 49152), ``tokenizer_config.json`` (chat template, bos/eos) and ``generation_config.json``.
+Weights are random but not trivial (norm weights and biases randomized), so a wrong layout shows up in the
+logits. Each loads in well under a second with ``load_model(str(path))``.
 
 ``smollm2(dtype)`` loads the bundled SmolLM2 GGUF once per process and dtype.
 """
@@ -12,6 +12,7 @@ under a second with ``load_model(str(path))``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -20,12 +21,14 @@ from pathlib import Path
 
 import torch
 
+from kvfence.model import tokenizer as tokenizer_module
 from kvfence.model.loader import LoadedModel, load_model, read_gguf_metadata, smollm2_gguf_path
 from kvfence.model.tokenizer import Tokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3")
-_VERSION = "v1"  # bump when the fixtures change
-_CACHE = Path(tempfile.gettempdir()) / f"kvfence-test-models-{_VERSION}"
+# the cache is keyed by the code that writes it, so a change to either file rebuilds it
+_KEY = hashlib.sha256(Path(__file__).read_bytes() + Path(tokenizer_module.__file__).read_bytes()).hexdigest()[:12]
+_CACHE = Path(tempfile.gettempdir()) / f"kvfence-test-models-{_KEY}"
 
 TINY = dict(
     vocab_size=49152,
@@ -46,7 +49,13 @@ TINY = dict(
 EXTRA = {
     "llama": dict(
         tie_word_embeddings=True,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256),
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=256,
+        ),
     ),
     "qwen2": dict(tie_word_embeddings=False),
     "qwen3": dict(tie_word_embeddings=False, head_dim=32),
@@ -113,7 +122,9 @@ def _write_tokenizer(path: Path) -> None:
 def _write_tiny_model(arch: str, path: Path) -> None:
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[
+        arch
+    ]
     config = cls(**TINY, **EXTRA[arch])
     torch.manual_seed(ARCHS.index(arch))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -130,8 +141,9 @@ def _write_tiny_model(arch: str, path: Path) -> None:
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2]}))
 
 
-def greedy(model, ids: list[int], max_new: int, eos: frozenset[int] = frozenset(), chunk: int = 512,
-           page_size: int = 16) -> list[int]:
+def greedy(
+    model, ids: list[int], max_new: int, eos: frozenset[int] = frozenset(), chunk: int = 512, page_size: int = 16
+) -> list[int]:
     """Greedy continuation of ``ids`` with ``Model.forward``: prefill in ``chunk``-token chunks, then decode.
 
     Uses a private KVPool and pages 0, 1, 2, ... in order; stops after ``max_new`` tokens or an ``eos`` token

@@ -37,11 +37,16 @@ _SMALL_COST = 3.0  # a row in a call of <= 32 rows costs about this many rows of
 
 @dataclass(frozen=True)
 class RowBlocks:
-    """Verified call sizes for one weight shape: any M in ``min_rows..small_max``, and each size in ``big``."""
+    """Verified call sizes for one weight shape: any M in ``min_rows..small_max``, and each size in ``big``.
+
+    ``big_cols`` > 0: big calls compute the output ``big_cols`` columns (weight rows) at a time, which some shapes
+    need for a useful set of big sizes (576x3072 bf16: none below 768 whole, from 384 in blocks of 768).
+    """
 
     min_rows: int
     small_max: int
     big: tuple[int, ...] = ()
+    big_cols: int = 0
     _plans: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def split(self, rows: int) -> tuple[tuple[int, int], ...]:
@@ -73,16 +78,20 @@ class RowBlocks:
 def matmul(x: torch.Tensor, w: torch.Tensor, blocks: RowBlocks) -> torch.Tensor:
     """``x @ w.T`` for x ``[T, K]`` and w ``[N, K]`` (both contiguous), in verified row blocks -> ``[T, N]``."""
     rows, plan = x.shape[0], blocks.split(x.shape[0])
-    if len(plan) == 1:
-        return _call(_pad(x, plan[0][1]), w)[:rows]
-    outs, start = [], 0
-    for n, call in plan:
-        outs.append(_call(_pad(x[start : start + n], call), w)[:n])
-        start += n
-    return torch.cat(outs)
+    if len(plan) == 1 and plan[0][1] == rows:
+        return _call(x, w)  # one call, no padding (every decode step)
+    padded = rows + plan[-1][1] - plan[-1][0]
+    x = _pad(x, padded)
+    out = x.new_empty(padded, w.shape[0])
+    start = 0
+    for _, call in plan:
+        cols = blocks.big_cols if call > blocks.small_max else 0
+        _call(x[start : start + call], w, out[start : start + call], cols)
+        start += call
+    return out if padded == rows else out[:rows]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def calibrate(
     n: int, k: int, dtype: torch.dtype, device: str = "cpu", threads: int = 0, max_rows: int = 2048, big: bool = True
 ) -> RowBlocks:
@@ -91,7 +100,6 @@ def calibrate(
     ``threads`` (the torch thread count) only keys the cache. ``big=False`` skips the large call sizes: for a weight
     that sees few rows per call (an lm_head), where checking them would cost seconds.
     """
-    sparse = not big
     w, x = _probe(n, k, max_rows if big else max(SMALL_SCAN), dtype, device)
     options = []
     for min_rows in (1, 4, 16):
@@ -100,18 +108,28 @@ def calibrate(
         small_max = _small_max(x, w, ref, min_rows)
         if small_max < min_rows:
             continue
-        sizes = () if sparse or small_max < 8 else tuple(_verified_big(x, w, ref, small_max, max_rows))
-        options.append(RowBlocks(min_rows, small_max, sizes))
-        if small_max >= 32 and (sparse or sizes):
+        sizes, cols = _big_sizes(x, w, ref, small_max, max_rows) if big and small_max >= 8 else ((), 0)
+        options.append(RowBlocks(min_rows, small_max, sizes, cols))
+        if small_max >= 8:  # the smallest padding that gives useful small calls: decode stays cheap
             break
-    best = max(options, key=lambda o: (o.small_max >= 32 and bool(o.big or sparse), o.small_max), default=RowBlocks(1, 1))
+    best = max(options, key=lambda o: o.small_max, default=RowBlocks(1, 1))
     log.debug("row blocks for [%d, %d] %s: %s", n, k, dtype, best)
     return best
 
 
-def _call(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The one GEMM entry point, for calibration and inference alike; one row goes through ``mv`` (faster)."""
-    return torch.mv(w, x[0]).unsqueeze(0) if x.shape[0] == 1 else torch.mm(x, w.t())
+def _call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, cols: int = 0) -> torch.Tensor:
+    """The one GEMM entry point, for calibration and inference alike: ``out`` (rows of a contiguous buffer)
+    ``= x @ w.T``, ``cols`` output columns at a time when > 0; one row goes through ``mv``, which is faster."""
+    if out is None:
+        out = x.new_empty(x.shape[0], w.shape[0])
+    if x.shape[0] == 1:
+        torch.mv(w, x[0], out=out[0])
+    elif cols:
+        for j in range(0, w.shape[0], cols):
+            torch.mm(x, w[j : j + cols].t(), out=out[:, j : j + cols])
+    else:
+        torch.mm(x, w.t(), out=out)
+    return out
 
 
 def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -143,7 +161,21 @@ def _small_max(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, min_rows: in
     return best
 
 
-def _verified_big(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, small_max: int, max_rows: int):
-    for c in BIG_CANDIDATES:
-        if small_max < c <= max_rows and torch.equal(_call(x[:c], w), ref[:c]):
-            yield c
+def _big_sizes(
+    x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, small_max: int, max_rows: int
+) -> tuple[tuple[int, ...], int]:
+    """Verified big call sizes, and the column block they need (0: whole). Splits are tried only when the
+    whole-width calls verify nothing up to 512 rows, the size of a prefill chunk."""
+    n, best = w.shape[0], (_verified_big(x, w, ref, small_max, max_rows, 0), 0)
+    for cols in (n // 2, n // 4):
+        if min(best[0], default=max_rows + 1) <= 512 or n % cols or cols % 64 or cols < 256:
+            break
+        sizes = _verified_big(x, w, ref, small_max, max_rows, cols)
+        if min(sizes, default=max_rows + 1) < min(best[0], default=max_rows + 1):
+            best = (sizes, cols)
+    return best
+
+
+def _verified_big(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, small_max: int, max_rows: int, cols: int):
+    fits = (c for c in BIG_CANDIDATES if small_max < c <= max_rows)
+    return tuple(c for c in fits if torch.equal(_call(x[:c], w, cols=cols), ref[:c]))

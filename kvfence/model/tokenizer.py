@@ -80,15 +80,33 @@ class Tokenizer:
         backend = Backend(bpe)
         backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
         backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        backend.add_special_tokens(
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, ty in zip(tokens, types, strict=True)
+                if ty == _CONTROL
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(t, special=False, normalized=False)
+                for t, ty in zip(tokens, types, strict=True)
+                if ty == _USER_DEFINED
+            ]
+        )
 
         def tok(key: str) -> str | None:
             i = meta.get(f"tokenizer.ggml.{key}")
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-        eos_ids = {meta[f"tokenizer.ggml.{k}"] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if f"tokenizer.ggml.{k}" in meta}
-        eos_ids |= {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _EOG_TEXTS}
+        eos_ids = {
+            meta[f"tokenizer.ggml.{k}"]
+            for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+            if f"tokenizer.ggml.{k}" in meta
+        }
+        eos_ids |= {
+            i for i, (t, ty) in enumerate(zip(tokens, types, strict=True)) if ty == _CONTROL and t in _EOG_TEXTS
+        }
         return cls(
             backend,
             chat_template=meta.get("tokenizer.chat_template"),
@@ -100,22 +118,33 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
-        """Build from ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``)."""
+        """Build from ``tokenizer.json``, plus ``tokenizer_config.json`` (bos/eos, chat template, add_bos),
+        ``chat_template.jinja`` and ``generation_config.json`` (eos ids) when present."""
         path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json (a fast-tokenizer file is required)")
         backend = Backend.from_file(str(path / "tokenizer.json"))
         cfg = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
         bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
         eos_ids = {backend.token_to_id(eos)} if eos and backend.token_to_id(eos) is not None else set()
-        gen_eos = gen.get("eos_token_id")
-        eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        for source in (gen, _read_json(path / "config.json")):  # generation_config first; config.json as a fallback
+            more = source.get("eos_token_id")
+            eos_ids |= set(more if isinstance(more, list) else [more] if more is not None else [])
+            if eos_ids:
+                break
         # A post-processor that prepends BOS (Llama 3) shows up as a non-empty encoding of "".
         bos_prefix = backend.encode("", add_special_tokens=True).ids
         if bos is None and len(bos_prefix) == 1:
             bos = backend.id_to_token(bos_prefix[0])
         add_bos = cfg.get("add_bos_token", len(bos_prefix) == 1)
         return cls(
-            backend, chat_template=_hf_chat_template(path, cfg), bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, add_bos=add_bos
+            backend,
+            chat_template=_hf_chat_template(path, cfg),
+            bos_token=bos,
+            eos_token=eos,
+            eos_token_ids=eos_ids,
+            add_bos=add_bos,
         )
 
     # -- encode / decode ------------------------------------------------------------------------------------
@@ -193,7 +222,10 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The pre-tokenizer HF's own tokenizer.json uses for the vocabulary llama.cpp calls ``pre``."""
     if pre in _DIGITS_THEN_GPT2:
         return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
         )
     if pre in _REGEX_SPLITS:
         return pre_tokenizers.Sequence(
@@ -213,7 +245,9 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
