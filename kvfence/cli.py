@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_args(w)
         add_pool_args(w, per_role=False)
         w.set_defaults(func=cmd_worker, role=role)
+    from kvfence.verify.cli import add_verify_parser
+    add_verify_parser(sub)
     return parser
 
 

@@ -320,3 +320,57 @@ def test_router_worker_death_ends_its_requests_with_503():
     assert [a.to for a in out[:3]] == ["prefill-1", D, "decode-1"] and out[0].msg == WorkerDown(P)
     assert out[3].error.status == 503 and out[4] == Send(D, Cancel(RID))
     assert core.reqs == {} and P not in core.workers
+
+
+def test_router_prefill_reject_after_client_left_still_cancels_decode():
+    """Found by `kvfence verify`: with the cancel held back (L7), a prefill Reject used to end the request at the
+    router without telling decode, which then kept the request queued for pages that might never come."""
+    core = router_core()
+    core.submit(request())
+    assert core.client_gone(RID) == []
+    out = core.handle(P, Reject(RID, ErrorInfo(503, "service_unavailable", "no pages"), P))
+    assert out == [Send(D, Cancel(RID))]  # no Deliver: the client is gone
+    assert core.reqs == {}
+
+
+def test_router_treats_a_decode_hello_with_a_new_pid_as_a_restart():
+    """Found by `kvfence verify --quick-restart`: a decode worker that restarted before the router noticed its death
+    (a remote worker back within the heartbeat timeout) used to be taken for the same worker. Its old requests never
+    ended, and prefill got the new descriptor without a WorkerDown, so a Dest from the dead incarnation made it write
+    into the new pool, whose (page, epoch) pairs start over and belong to other requests."""
+    core = router_core()
+    core.workers[D].hello = Hello(D, "decode", "tcp://x", {"shm": "old"}, 1000, 64, free_pages=10, pid=41)
+    core.submit(request())
+    restarted = Hello(D, "decode", "tcp://x", {"shm": "new"}, 1000, 64, free_pages=10, pid=42)
+    out = core.worker_up(restarted)
+    assert [(a.to, a.msg) for a in out if isinstance(a, Send)] == [
+        ("prefill-0", WorkerDown(D)), ("prefill-1", WorkerDown(D)), ("decode-1", WorkerDown(D)),
+        ("prefill-0", Peers({"decode-1": {}, D: {"shm": "new"}})),
+        ("prefill-1", Peers({"decode-1": {}, D: {"shm": "new"}}))]
+    assert [a.error.status for a in out if isinstance(a, Deliver)] == [503]
+    assert core.reqs == {} and core.workers[D].hello is restarted and core.workers[D].in_flight == 0
+    assert core.worker_up(restarted) == []  # its next heartbeat is just a heartbeat
+
+
+def test_router_keeps_a_restarted_prefill_and_its_requests():
+    """Prefill's queued messages reach its new process, which may act on them: decode must keep its pages."""
+    core = router_core()
+    core.workers[P].hello = Hello(P, "prefill", "tcp://x", {}, 1000, 64, pid=41)
+    core.submit(request())
+    assert core.worker_up(Hello(P, "prefill", "tcp://x", {}, 1000, 64, pid=42)) == []
+    assert RID in core.reqs
+
+
+def test_decode_gives_up_on_a_request_that_waits_for_pages_past_the_handoff_timeout():
+    """Found by `kvfence verify --quick-restart`: WAITING had no deadline, so a request whose prefill had lost it
+    (a prefill restarted before the router noticed) waited forever once the pool stayed short of pages."""
+    core = decode_core(pages=2)
+    core.handle(R, admit(6), now=0)  # the whole pool
+    core.handle(P, Done(RID, 6, 0, 7), now=1)  # decoding: the pages stay taken
+    other = RID + 1
+    assert core.handle(R, admit(4, rid=other), now=2) == []  # waits for pages
+    assert core.tick(now=31) == []
+    out = core.tick(now=32)
+    assert [(a.to, type(a.msg)) for a in out] == [(R, Reject), (P, Fail)]
+    assert out[0].msg.error.status == 503 and out[0].msg.rid == other
+    assert other not in core.reqs and list(core.waiting) == []

@@ -6,7 +6,8 @@ shares, with the engine's scheduler, on the same thread.
 
 Per request: WAITING (no pages yet) -> AWAIT_DONE (Dest sent) -> DECODING
 (engine owns the pages); on abort or timeout AWAIT_DONE -> ABORTING until
-Done or AbortAck proves no write can still land.
+Done or AbortAck proves no write can still land. A request still WAITING
+after the handoff timeout ends with a 503 (and a Fail to prefill).
 
 Contracts:
 - Pages granted for a transfer are freed only after Done, Fail or AbortAck
@@ -72,7 +73,7 @@ class DecodeReq:
 class DecodeLimits:
     max_context: int
     page_size: int
-    handoff_timeout: float = 30.0  # Admit -> Done
+    handoff_timeout: float = 30.0  # Admit -> pages granted, and again pages granted -> Done
     abort_timeout: float = 10.0  # Abort -> AbortAck; then quarantine
 
 
@@ -93,7 +94,7 @@ class DecodeCore:
         actions: list[Action] = []
         match msg:
             case Admit():
-                actions = self._admit(msg)
+                actions = self._admit(msg, now)
             case Done():
                 actions = self._done(sender, msg)
             case Fail():
@@ -107,7 +108,12 @@ class DecodeCore:
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         for req in list(self.reqs.values()):
-            if req.state is DState.AWAIT_DONE and now >= req.deadline:
+            if req.state is DState.WAITING and now >= req.deadline:
+                self.waiting.remove(req.rid)
+                del self.reqs[req.rid]
+                err = ServiceUnavailable(f"no KV pages became free within {self.limits.handoff_timeout}s")
+                actions += [self._reject(req.rid, err), Send(req.prefill, Fail(req.rid, ErrorInfo.of(err)))]
+            elif req.state is DState.AWAIT_DONE and now >= req.deadline:
                 err = ServiceUnavailable(f"prefill worker {req.prefill} did not finish the KV transfer in time")
                 actions += [self._reject(req.rid, err), *self._abort(req, now)]
             elif req.state is DState.ABORTING and now >= req.deadline:
@@ -138,13 +144,13 @@ class DecodeCore:
 
     # -- events ---------------------------------------------------------------------
 
-    def _admit(self, msg: Admit) -> list[Action]:
+    def _admit(self, msg: Admit, now: float) -> list[Action]:
         if msg.rid in self.reqs:
             return []  # duplicate
         err = self._admission_error(msg)
         if err is not None:
             return [self._reject(msg.rid, err), Send(msg.prefill, Fail(msg.rid, ErrorInfo.of(err)))]
-        self.reqs[msg.rid] = DecodeReq(msg, msg.prefill)
+        self.reqs[msg.rid] = DecodeReq(msg, msg.prefill, deadline=now + self.limits.handoff_timeout)
         self.waiting.append(msg.rid)
         return []
 

@@ -99,8 +99,17 @@ class RouterCore:
         return []
 
     def worker_up(self, hello: Hello) -> list[Action]:
-        """A Hello (first or heartbeat). Prefill workers learn of new decode targets before any request names them."""
+        """A Hello (first or heartbeat). Prefill workers learn of new decode targets before any request names them.
+
+        A known decode worker with a new pid is a new process under the old id, restarted before its death was
+        noticed: the old one goes through ``worker_down`` first, so its requests end and every prefill hears of
+        the death before it hears of the new pool. (Not so for prefill: messages queued for the dead process
+        reach the new one, which may still act on them, so decode must keep waiting for its answers.)
+        """
         info = self.workers.get(hello.worker)
+        actions: list[Action] = []
+        if info is not None and hello.role == "decode" and info.hello.pid != hello.pid:
+            actions, info = self.worker_down(hello.worker), None
         news = info is None or info.hello.data != hello.data
         if info is None:
             self.workers[hello.worker] = WorkerInfo(hello)
@@ -109,7 +118,7 @@ class RouterCore:
         if not news:
             return []
         prefills = [hello.worker] if hello.role == "prefill" else self._role("prefill")
-        return [Send(p, self._peers()) for p in prefills]
+        return actions + [Send(p, self._peers()) for p in prefills]
 
     def worker_down(self, worker: str) -> list[Action]:
         """``worker`` died: its requests end with a 503 now; their other legs are cancelled."""
@@ -148,9 +157,8 @@ class RouterCore:
         if sender == req.prefill and not self.safety.propagation:
             return []  # unsafe: like the incident's balancer, only the decode leg's status counts
         self._end(req)
-        if req.cancel_pending:
-            return []
-        actions: list[Action] = [Deliver(req.rid, error=msg.error.to_error())]
+        # A client that already left gets nothing, but decode must still hear that prefill gave up.
+        actions: list[Action] = [] if req.cancel_pending else [Deliver(req.rid, error=msg.error.to_error())]
         if sender == req.prefill:
             actions.append(Send(req.decode, Cancel(req.rid)))
         return actions

@@ -1,0 +1,12 @@
+"""``kvfence verify``: an exhaustive, breadth-first model check of the transfer protocol.
+
+It drives the production protocol cores (``kvfence/protocol``) through every interleaving of a small
+configuration under an adversarial environment, and checks the invariants of DESIGN section 4 in every
+state. ``world.py`` is the checked world, ``invariants.py`` the state checks, ``explorer.py`` the search,
+``cli.py`` the command. docs/protocol.md describes what is and is not covered.
+"""
+
+from kvfence.verify.explorer import Result, explore
+from kvfence.verify.world import CheckConfig, Faults, RequestSpec, World
+
+__all__ = ["CheckConfig", "Faults", "RequestSpec", "Result", "World", "explore"]

@@ -1,0 +1,1172 @@
+"""The world the model checker explores: the real protocol cores inside an adversarial environment.
+
+One ``World`` is one global state: a ``RouterCore``, a ``PrefillCore`` and a
+``DecodeCore`` (with its ``PageTable``) exactly as production builds them,
+plus everything around them that the worker loops and the data plane would
+be: the control network, an abstract KV data plane, the prefill runner, the
+decode engine, the clients and a clock. ``events()`` lists what may happen
+next; ``apply()`` makes one of them happen by calling the cores the way the
+worker loops do (``workers/prefill.py``, ``workers/decode.py``,
+``router/remote.py``) and carrying out the actions they return.
+
+What is modelled, and how (docs/protocol.md has the full list):
+
+- **Network.** Every control message travels through ``net``, one queue per
+  (sender, receiver) channel. With ``network="fifo"`` (ZeroMQ's guarantee)
+  only a channel's head can be delivered; with ``"any"`` every message can
+  overtake every other. The environment may drop or duplicate any message
+  (bounded), and delays are free: nothing forces a delivery.
+- **Time.** Abstract. ``tick`` jumps to the next deadline any core holds;
+  each worker then handles its expired timers as its own event. With
+  ``timing="bounded"`` time only passes while no message is in flight
+  (every message arrives within the shortest timeout, or is lost); with
+  ``"async"`` timeouts may fire while messages are still on their way.
+- **Data plane.** A decode page holds a ``Label``: who wrote it last (its
+  tag record: rid, epoch, page, tokens) and whether its bytes were corrupted.
+  ``StartPrefill`` creates one pending ``Write`` per page; the environment
+  lands them one at a time, in any order relative to everything else, and
+  may fail, lose, shorten or corrupt one (bounded). The prefill core hears
+  ``computed``/``compute_failed`` only once its runner has nothing pending.
+  The pool starts out holding a ghost request's KV: pages are never scrubbed.
+- **Workers.** Either may crash at any step (bounded). A crash loses its
+  inbox, its core, its runner or engine; a crashed prefill's writes may
+  still land until the router notices the death. The router notices
+  (``worker_down``) before the supervisor restarts the worker, which comes
+  back with a fresh core and says Hello.
+- **Clients.** Submit in any order, may disconnect at any step (bounded),
+  and record every token and error they receive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+
+from kvfence.core import IntegrityError, Request, SamplingParams, ServiceUnavailable
+from kvfence.kvcache.layout import tokens_per_page
+from kvfence.kvcache.pages import PageGrant, PageState, PageTable
+from kvfence.protocol.actions import Action, Deliver, Send, StartDecode, StartPrefill, StopDecode, StopPrefill
+from kvfence.protocol.decode import DecodeCore, DecodeLimits, DState
+from kvfence.protocol.messages import ErrorInfo, Hello, Message, Output, Peers, Reject, WorkerDown
+from kvfence.protocol.prefill import PrefillCore, PrefillLimits, PState
+from kvfence.protocol.router import RouterCore
+from kvfence.safety import Safety
+
+ROUTER, PREFILL, DECODE = "router", "prefill-0", "decode-0"
+GHOST_RID, GHOST_TENANT = 99, "carol"  # whoever used the pool before the checked run began
+TIMED = frozenset({PState.WAIT_DEST, PState.WAIT_PREFILL, DState.WAITING, DState.AWAIT_DONE, DState.ABORTING})
+
+# Events that the environment may choose never to do: a state whose only events are faults is stuck.
+FAULTS = frozenset({"drop", "dup", "crash", "disconnect", "fail", "lose", "short", "corrupt"})
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    name: str  # A, B, C: how traces name it
+    tenant: str
+    prompt_len: int
+    max_tokens: int
+    rid: int
+
+
+@dataclass(frozen=True)
+class Faults:
+    """How many times the environment may do each bad thing in one run."""
+
+    drop: int = 0  # lose a control message (between live processes ZeroMQ does not)
+    dup: int = 1  # deliver a control message twice
+    crash: int = 1  # kill a worker (it is then noticed and restarted)
+    disconnect: int = 1  # a client leaves before its request ends
+    fail: int = 1  # a data-plane write fails (the runner sees the error)
+    lose: int = 1  # a data-plane write reports success but never lands
+    short: int = 1  # the prefill runner writes (and reports) one token fewer than the prompt
+    corrupt: int = 1  # a data-plane write lands with flipped bytes
+    total: int = 1  # faults of any kind in one run, at most
+
+    def budget(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f) for f in FAULT_ORDER)
+
+
+FAULT_ORDER = ("drop", "dup", "crash", "disconnect", "fail", "lose", "short", "corrupt")
+
+
+def default_requests() -> tuple[RequestSpec, ...]:
+    """Two tenants; C (over the context limit) arrives first, then A and B, which each need 2 of the 3 pages."""
+    return (RequestSpec("C", "bob", 5, 2, 3), RequestSpec("A", "alice", 4, 2, 1), RequestSpec("B", "bob", 4, 2, 2))
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    requests: tuple[RequestSpec, ...] = field(default_factory=default_requests)
+    pages: int = 3  # decode pool pages
+    page_size: int = 2
+    max_context: int = 6  # router, prefill and decode
+    prefill_pool_tokens: int = 6
+    prefill_max_context: int = 0  # 0: max_context; less: a prefill started with a smaller context than the rest
+    faults: Faults = field(default_factory=Faults)
+    network: str = "fifo"  # "fifo" (per channel, as ZeroMQ) | "any"
+    timing: str = "bounded"  # "bounded" | "async"
+    arrival: str = "ordered"  # "ordered": clients submit in config order | "any"
+    crash_roles: tuple[str, ...] = (PREFILL, DECODE)
+    # a crashed worker may come back before the router notices it died (a remote worker restarted within the
+    # heartbeat timeout): the router then never calls worker_down for it
+    quick_restart: bool = False
+    safety: Safety = field(default_factory=Safety)
+    emulate_incident: bool = False
+    # the protocol's own timeouts (seconds, as in production)
+    dest_timeout: int = 30
+    orphan_dest_timeout: int = 5
+    handoff_timeout: int = 30
+    abort_timeout: int = 10
+
+    def __post_init__(self) -> None:
+        if self.network not in ("fifo", "any"):
+            raise ValueError("network must be 'fifo' or 'any'")
+        if self.timing not in ("bounded", "async"):
+            raise ValueError("timing must be 'bounded' or 'async'")
+        if self.arrival not in ("ordered", "any"):
+            raise ValueError("arrival must be 'ordered' or 'any'")
+        rids = [r.rid for r in self.requests]
+        if len(set(rids)) != len(rids) or GHOST_RID in rids or 0 in rids:
+            raise ValueError("request ids must be distinct, non-zero and not the ghost's")
+
+    def spec(self, rid: int) -> RequestSpec:
+        return next(r for r in self.requests if r.rid == rid)
+
+    def over_length(self, spec: RequestSpec) -> bool:
+        """Over some role's limit: the client's fault, so it must never get tokens."""
+        return self.router_sees_over_length(spec) or spec.prompt_len + spec.max_tokens > self.prefill_context
+
+    def router_sees_over_length(self, spec: RequestSpec) -> bool:
+        """Over a limit the router knows (its context, the pools the Hellos announce): it must get exactly 400."""
+        n, m = spec.prompt_len, spec.max_tokens
+        return n + m > self.max_context or n + m > self.pages * self.page_size or n > self.prefill_pool_tokens
+
+    @property
+    def prefill_context(self) -> int:
+        return self.prefill_max_context or self.max_context
+
+    def describe(self) -> str:
+        reqs = ", ".join(f"{r.name}={r.tenant}:{r.prompt_len}+{r.max_tokens}" + (" (over-length)"
+                         if self.over_length(r) else "") for r in self.requests)
+        faults = ", ".join(f"{f} {n}" for f, n in zip(FAULT_ORDER, self.faults.budget(), strict=True) if n)
+        off = ",".join(self.safety.disabled) or "none"
+        return (f"requests {reqs}; decode pool {self.pages} pages x {self.page_size} tokens; context "
+                f"{self.max_context}" + (f" (prefill {self.prefill_context})" if self.prefill_max_context else "")
+                + f"; arrival {self.arrival}; network {self.network}; timing {self.timing}; "
+                f"faults: {faults or 'none'} (at most {self.faults.total} per run); "
+                f"layers off: {off}" + ("; incident emulation" if self.emulate_incident else ""))
+
+
+# -- the abstract data plane, runner and engine ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Label:
+    """What a decode page holds: its tag record (who wrote it last), and whether its bytes still match it."""
+
+    rid: int
+    epoch: int
+    page: int
+    tokens: int
+    corrupt: bool = False
+
+
+ZEROS = Label(0, 0, 0, 0)  # a fresh region
+
+
+@dataclass(frozen=True)
+class Write:
+    """One page of KV (and its tag) on its way into a decode pool."""
+
+    rid: int
+    page: int
+    epoch: int
+    tokens: int
+    target: int  # the decode incarnation whose pool it writes into
+    corrupt: bool = False
+
+
+@dataclass
+class Run:
+    """The prefill runner's shipment of one request: writes still pending, and how it will end."""
+
+    rid: int
+    tokens: int  # what it reports in Done
+    pending: tuple[Write, ...]
+    last_page: int  # where the prompt's last tokens go
+    stopped: bool = False
+    failed: bool = False
+    short: bool = False
+
+
+@dataclass
+class Seq:
+    """A request the decode engine is decoding."""
+
+    rid: int
+    grants: tuple[PageGrant, ...]
+    prompt_len: int
+    max_tokens: int
+    produced: int = 0
+
+
+@dataclass
+class PrefillNode:
+    core: PrefillCore | None
+    decodes: dict[str, int]  # decode worker -> the incarnation its data-plane descriptor names (from Peers)
+    runs: dict[int, Run] = field(default_factory=dict)
+    inc: int = 0
+    down: bool = False
+    noticed: bool = True  # the router has handled this worker's death
+
+
+@dataclass
+class DecodeNode:
+    core: DecodeCore | None
+    plane: tuple[Label, ...]
+    engine: dict[int, Seq] = field(default_factory=dict)
+    inc: int = 0
+    down: bool = False
+    noticed: bool = True
+
+
+class PlaneVerifier:
+    """DecodeCore's ``verify``: ``kvcache.layout.check_landing`` over the modelled pool.
+
+    Tags (L3) and coverage (L4) as in production; the checksum (L5) sees only corruption, because a
+    Label stands for bytes without being them (a lost or short write is left to L3 and L4).
+    """
+
+    def __init__(self, node: DecodeNode, safety: Safety, page_size: int) -> None:
+        self.node, self.safety, self.page_size = node, safety, page_size
+
+    def __call__(self, rid: int, grants: list[PageGrant], expected_tokens: int, checksum: int) -> str | None:
+        counts = tokens_per_page(expected_tokens, self.page_size, len(grants))
+        for g, tokens in zip(grants, counts, strict=True):
+            tag = self.node.plane[g.page]
+            if self.safety.tags and (tag.rid, tag.epoch, tag.page) != (rid, g.epoch, g.page):
+                return f"page {g.page}: tag does not name this request and grant (epoch {g.epoch})"
+            if self.safety.coverage and tag.tokens != tokens:
+                return f"page {g.page}: {tag.tokens} tokens written, {tokens} expected"
+            if self.safety.checksum and tag.corrupt:
+                return f"page {g.page}: checksum mismatch"
+        return None
+
+
+# -- clients ------------------------------------------------------------------------------------
+
+
+class Client(NamedTuple):
+    submitted: bool = False
+    gone: bool = False
+    tokens: tuple[int, ...] = ()
+    status: int | None = None  # set when it ends: 200, or the error's status
+    code: str | None = None
+    rejected_by: str | None = None  # the first worker whose Reject reached the router while this client waited
+    rejected_status: int | None = None  # ... and the status it gave
+
+    @property
+    def ended(self) -> bool:
+        return self.status is not None
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str  # "I1".."I6", or "E" (a core raised)
+    message: str
+
+
+# -- the world ----------------------------------------------------------------------------------
+
+Event = tuple  # ("deliver", (sender, receiver), index), ("land", "run", Write), ("tick",), ...
+
+# Which core each kind of event may change (the rest change no core); see World.apply.
+_TOUCHES_ROUTER = frozenset({"submit", "disconnect", "notice"})
+_TOUCHES_WORKER = frozenset({"timeout", "crash", "restart"})
+
+
+def _writes_to(ev: Event) -> tuple[str, ...]:
+    """The parts of a world that an event may change, besides net, clients and budgets (copied always)."""
+    kind = ev[0]
+    if kind in ("submit", "disconnect"):
+        return (ROUTER,)
+    if kind == "notice":
+        return (ROUTER, ev[1])
+    if kind == "deliver":
+        return (ev[1][1],)
+    if kind in ("land", "cancel", "fail", "lose", "corrupt"):
+        return (PREFILL, "plane") if ev[1] == "run" else ("plane",)
+    if kind in ("short", "finish"):
+        return (PREFILL,)
+    if kind == "step":
+        return (DECODE,)
+    if kind in ("timeout", "crash", "restart"):
+        return (ev[1],)
+    return ()
+
+
+class World:
+    def __init__(self, cfg: CheckConfig) -> None:
+        self.cfg = cfg
+        self.now = 0
+        self.router = RouterCore(ROUTER, cfg.max_context, cfg.safety)
+        self.prefill = PrefillNode(self._new_prefill_core(), {})
+        self.decode = DecodeNode(None, ())
+        self._boot_decode(ghost=True)
+        self.net: dict[tuple[str, str], tuple[Message, ...]] = {}
+        self.wire: dict[tuple[str, str], tuple[bytes, ...]] = {}  # the same messages, encoded (for key())
+        self.zombies: tuple[Write, ...] = ()  # writes of a crashed prefill the router has not noticed yet
+        self.clients = {r.rid: Client() for r in cfg.requests}
+        self.budget = list(cfg.faults.budget())
+        self.faults_used = 0
+        self._core_keys: dict[str, object] = {}  # canonical form of each core, until an event touches it
+        self._owned = {ROUTER, PREFILL, DECODE, "plane"}  # parts not shared with the world this was cloned from
+        self.changed = {ROUTER, PREFILL, DECODE}  # cores whose canonical form key() had to recompute
+        self.violations: list[Violation] = []
+        self.log: list[str] | None = None  # set to a list to record what each event did
+        for hello in (self._hello(PREFILL), self._hello(DECODE)):
+            for action in self.router.worker_up(hello):  # Peers to the prefill, as on a real start
+                assert isinstance(action, Send) and isinstance(action.msg, Peers)
+                self.prefill.decodes = {w: d["incarnation"] for w, d in action.msg.decodes.items()}
+
+    # -- building -------------------------------------------------------------------------
+
+    def _new_prefill_core(self) -> PrefillCore:
+        c = self.cfg
+        limits = PrefillLimits(c.prefill_context, c.prefill_pool_tokens, c.page_size, c.dest_timeout,
+                               c.orphan_dest_timeout)
+        return PrefillCore(PREFILL, ROUTER, limits, c.safety, c.emulate_incident)
+
+    def _boot_decode(self, ghost: bool) -> None:
+        c, node = self.cfg, self.decode
+        limits = DecodeLimits(c.max_context, c.page_size, c.handoff_timeout, c.abort_timeout)
+        node.core = DecodeCore(DECODE, ROUTER, PageTable(c.pages), limits, c.safety,
+                               PlaneVerifier(node, c.safety, c.page_size))
+        node.plane = tuple(Label(GHOST_RID, 0, p, c.page_size) if ghost else ZEROS for p in range(c.pages))
+        node.engine = {}
+
+    def _hello(self, worker: str) -> Hello:
+        c = self.cfg
+        if worker == PREFILL:
+            return Hello(PREFILL, "prefill", PREFILL, {}, c.prefill_pool_tokens, c.prefill_context,
+                         pid=100 + self.prefill.inc)
+        return Hello(DECODE, "decode", DECODE, {"incarnation": self.decode.inc}, c.pages * c.page_size,
+                     c.max_context, free_pages=c.pages, pid=200 + self.decode.inc)
+
+    def clone(self) -> World:
+        """A copy that shares the cores until an event needs to change one (copy on write)."""
+        new = World.__new__(World)
+        new.__dict__.update(self.__dict__)
+        new.net = dict(self.net)
+        new.wire = dict(self.wire)
+        new.clients = dict(self.clients)
+        new.budget = list(self.budget)
+        new._core_keys = dict(self._core_keys)
+        new._owned = set()
+        new.changed = set()
+        new.violations = []
+        new.log = None
+        return new
+
+    def _own(self, part: str) -> None:
+        """Copy ``part`` before this world changes it, unless it already has its own copy."""
+        if part in self._owned:
+            return
+        self._owned.add(part)
+        if part == ROUTER:
+            self.router = _copy_router(self.router)
+        elif part == PREFILL:
+            self.prefill = _copy_prefill(self.prefill)
+        elif part == DECODE:
+            self.decode = _copy_decode(self.decode)
+            self._owned.add("plane")
+        else:  # "plane": the decode node itself, not its core (whose verifier is rebound when it is copied)
+            self.decode = _copy_obj(self.decode)
+
+    def key(self) -> bytes:
+        """The canonical hash of this state: equal for states that behave the same from here on.
+
+        Absolute time is left out (every deadline counts from now), and so are a core's deadlines in
+        states that never consult them. Messages in one channel keep their order under FIFO and are
+        a multiset otherwise. A core's part is cached until an event touches that core.
+        """
+        fifo = self.cfg.network == "fifo"
+        p, d = self.prefill, self.decode
+        net = []
+        for chan in sorted(self.wire):
+            msgs = self.wire[chan]
+            net.append((chan, msgs if fifo else tuple(sorted(msgs))))
+        parts = (
+            self._core_key(ROUTER),
+            self._core_key(PREFILL),
+            self._core_key(DECODE),
+            (p.inc, p.down, p.noticed, tuple(sorted(p.decodes.items())),
+             tuple(sorted((rid, r.tokens, tuple(map(_wkey, r.pending)), r.last_page, r.stopped, r.failed, r.short)
+                          for rid, r in p.runs.items()))),
+            (d.inc, d.down, d.noticed, tuple(map(_lkey, d.plane)),
+             tuple(sorted((rid, tuple((g.page, g.epoch) for g in s.grants), s.produced)
+                          for rid, s in d.engine.items()))),
+            tuple(net),
+            tuple(sorted(map(_wkey, self.zombies))),
+            tuple(tuple(self.clients[r.rid]) for r in self.cfg.requests),
+            tuple(self.budget),
+        )
+        return _digest(parts)
+
+    def _core_key(self, who: str):
+        k = self._core_keys.get(who)
+        if k is None:
+            self.changed.add(who)
+            core = self.router if who == ROUTER else self._node(who).core
+            k = self._core_keys[who] = _digest(canon(core, self.now))
+        return k
+
+    def fresh_key(self) -> bytes:
+        """``key()`` with no cached part (tests compare the two)."""
+        cached, self._core_keys = self._core_keys, {}
+        try:
+            return self.key()
+        finally:
+            self._core_keys = cached
+
+    # -- what may happen next --------------------------------------------------------------
+
+    def events(self) -> list[Event]:
+        """Every event enabled here, progress first, then faults."""
+        evs: list[Event] = []
+        for spec in self.cfg.requests:
+            if not self.clients[spec.rid].submitted:
+                evs.append(("submit", spec.rid))
+                if self.cfg.arrival == "ordered":
+                    break
+        for chan, i, _msg in self._deliverable():
+            evs.append(("deliver", chan, i))
+        for src, w in self._writes():
+            evs.append(("land", src, w))
+            if src == "run" and self.prefill.runs[w.rid].stopped:
+                evs.append(("cancel", src, w))
+        for rid, run in self.prefill.runs.items():
+            if not run.pending:
+                evs.append(("finish", rid))
+        for rid in self.decode.engine:
+            evs.append(("step", rid))
+        for worker in (PREFILL, DECODE):
+            node = self._node(worker)
+            if not node.down and self._expired(node.core):
+                evs.append(("timeout", worker))
+            if node.down and not node.noticed:
+                evs.append(("notice", worker))
+            if node.down and (node.noticed or self.cfg.quick_restart):
+                evs.append(("restart", worker))
+        if self._next_deadline() is not None:
+            evs.append(("tick",))
+        evs += self._fault_events()
+        return evs
+
+    def _fault_events(self) -> list[Event]:
+        evs: list[Event] = []
+        if self.faults_used >= self.cfg.faults.total:
+            return evs
+        left = dict(zip(FAULT_ORDER, self.budget, strict=True))
+        if left["disconnect"]:
+            for rid, client in self.clients.items():
+                if client.submitted and not client.ended and not client.gone:
+                    evs.append(("disconnect", rid))
+        if left["drop"] or left["dup"]:
+            for chan, i, _msg in self._deliverable():
+                if left["drop"]:
+                    evs.append(("drop", chan, i))
+                if left["dup"]:
+                    evs.append(("dup", chan, i))
+        for src, w in self._writes():
+            if w.target != self.decode.inc or self.decode.down:
+                continue
+            for fault in ("fail", "lose", "corrupt"):
+                if left[fault] and not (fault == "fail" and src != "run") and not (fault == "corrupt" and w.corrupt):
+                    evs.append((fault, src, w))
+        if left["short"]:
+            for rid, run in self.prefill.runs.items():
+                if not run.short and run.tokens > 1 and any(w.page == run.last_page for w in run.pending):
+                    evs.append(("short", rid))
+        if left["crash"] and self.busy():
+            for worker in self.cfg.crash_roles:
+                if not self._node(worker).down:
+                    evs.append(("crash", worker))
+        return evs
+
+    def _deliverable(self) -> Iterator[tuple[tuple[str, str], int, Message]]:
+        for chan, queue in sorted(self.net.items()):
+            dst = chan[1]
+            if dst != ROUTER and self._node(dst).down:
+                continue  # queued until it is back
+            if self.cfg.network == "fifo":
+                yield chan, 0, queue[0]
+            else:
+                seen = set()
+                for i, (msg, wire) in enumerate(zip(queue, self.wire[chan], strict=True)):
+                    if wire not in seen:  # equal copies are one choice
+                        seen.add(wire)
+                        yield chan, i, msg
+
+    def _writes(self) -> Iterator[tuple[str, Write]]:
+        if not self.prefill.down:
+            for run in self.prefill.runs.values():
+                for w in dict.fromkeys(run.pending):
+                    yield "run", w
+        for w in dict.fromkeys(self.zombies):
+            yield "zombie", w
+
+    def _expired(self, core) -> bool:
+        return any(r.state in TIMED and self.now >= r.deadline for r in core.reqs.values())
+
+    def _next_deadline(self) -> int | None:
+        """When time may next jump to, or None if it may not pass now."""
+        deadlines = []
+        for worker in (PREFILL, DECODE):
+            node = self._node(worker)
+            if node.down:
+                continue
+            if self._expired(node.core):
+                return None  # handle what has expired first
+            deadlines += [r.deadline for r in node.core.reqs.values() if r.state in TIMED]
+        if not deadlines:
+            return None
+        if self.cfg.timing == "bounded" and any(True for _ in self._deliverable()):
+            return None
+        return min(deadlines)
+
+    def busy(self) -> bool:
+        """Some request has not ended everywhere yet."""
+        return not self.quiescent()
+
+    def quiescent(self) -> bool:
+        """Every client has its ending (or left), every role has forgotten every request, nothing is in flight."""
+        p, d = self.prefill, self.decode
+        return (all(c.submitted and (c.ended or c.gone) for c in self.clients.values())
+                and not self.router.reqs and not p.down and not d.down and not p.core.reqs and not p.runs
+                and not d.core.reqs and not d.core.waiting and not d.engine and not self.zombies and not self.net)
+
+    # -- making it happen ---------------------------------------------------------------------
+
+    def apply(self, ev: Event) -> None:
+        kind = ev[0]
+        for part in _writes_to(ev):
+            self._own(part)
+        if kind == "tick":
+            self._core_keys = {}
+        elif kind in _TOUCHES_ROUTER:
+            self._core_keys.pop(ROUTER, None)
+        elif kind == "deliver":
+            self._core_keys.pop(ev[1][1], None)
+        elif kind in _TOUCHES_WORKER:
+            self._core_keys.pop(ev[1], None)
+        elif kind == "finish":
+            self._core_keys.pop(PREFILL, None)
+        elif kind == "step":
+            self._core_keys.pop(DECODE, None)
+        getattr(self, "_ev_" + kind)(*ev[1:])
+        if ev[0] in FAULTS:
+            self.budget[FAULT_ORDER.index(ev[0])] -= 1
+            self.faults_used += 1
+
+    def _ev_submit(self, rid: int) -> None:
+        spec = self.cfg.spec(rid)
+        self.clients[rid] = self.clients[rid]._replace(submitted=True)
+        over = " (over the limit)" if self.cfg.over_length(spec) else ""
+        self._note(lambda: f"client {spec.name} (tenant {spec.tenant}) submits a {spec.prompt_len}-token prompt, "
+                           f"max_tokens {spec.max_tokens}{over}")
+        prompt = [10 * rid + i for i in range(spec.prompt_len)]
+        req = Request(prompt, SamplingParams(spec.max_tokens), spec.tenant, rid=rid)
+        self._router_do(self.router.submit(req))
+
+    def _ev_disconnect(self, rid: int) -> None:
+        self.clients[rid] = self.clients[rid]._replace(gone=True)
+        self._note(lambda: f"client {self._name(rid)} disconnects")
+        self._router_do(self.router.client_gone(rid))
+
+    def _ev_deliver(self, chan: tuple[str, str], i: int) -> None:
+        msg = self._take(chan, i)
+        src, dst = chan
+        self._note(lambda: f"{dst} receives {self._fmt(msg)} from {src}")
+        if dst == ROUTER:
+            self._router_receive(src, msg)
+        elif dst == PREFILL:
+            node = self.prefill
+            if isinstance(msg, Peers):
+                node.decodes = {w: d["incarnation"] for w, d in msg.decodes.items()}
+            elif isinstance(msg, WorkerDown):
+                node.decodes.pop(msg.worker, None)
+                self._prefill_do(node.core.peer_down(msg.worker))
+            else:
+                self._prefill_do(node.core.handle(src, msg, self.now))
+        else:
+            core = self.decode.core
+            if isinstance(msg, WorkerDown):
+                self._decode_do(core.peer_down(msg.worker, self.now))
+            else:
+                self._decode_do(core.handle(src, msg, self.now))
+
+    def _ev_drop(self, chan: tuple[str, str], i: int) -> None:
+        msg = self._take(chan, i)
+        self._note(lambda: f"lost: {self._fmt(msg)} from {chan[0]} to {chan[1]}")
+
+    def _ev_dup(self, chan: tuple[str, str], i: int) -> None:
+        msg = self.net[chan][i]
+        self.net[chan] += (msg,)
+        self.wire[chan] += (self.wire[chan][i],)
+        self._note(lambda: f"duplicated: {self._fmt(msg)} from {chan[0]} to {chan[1]} (the copy comes last)")
+
+    def _ev_land(self, src: str, w: Write) -> None:
+        self._remove_write(src, w)
+        node = self.decode
+        if w.target != node.inc or node.down:
+            self._note(lambda: f"write of {self._name(w.rid)} to page {w.page} fails: its decode pool is gone")
+            if src == "run":
+                self.prefill.runs[w.rid].failed = True
+            return
+        plane = list(node.plane)
+        plane[w.page] = Label(w.rid, w.epoch, w.page, w.tokens, w.corrupt)
+        node.plane = tuple(plane)
+        self._note(lambda: f"data plane: {self._name(w.rid)}'s KV lands in page {w.page} (tag epoch {w.epoch}, "
+                   f"{_tokens(w.tokens)}{', corrupted' if w.corrupt else ''})")
+
+    def _ev_cancel(self, src: str, w: Write) -> None:
+        self._remove_write(src, w)
+        self._note(lambda: f"runner stopped: {self._name(w.rid)}'s write to page {w.page} is never issued")
+
+    def _ev_fail(self, src: str, w: Write) -> None:
+        self._remove_write(src, w)
+        self.prefill.runs[w.rid].failed = True
+        self._note(lambda: f"data plane: {self._name(w.rid)}'s write to page {w.page} fails")
+
+    def _ev_lose(self, src: str, w: Write) -> None:
+        self._remove_write(src, w)
+        self._note(lambda: f"data plane: {self._name(w.rid)}'s write to page {w.page} reports success but never lands")
+
+    def _ev_corrupt(self, src: str, w: Write) -> None:
+        self._remove_write(src, w)
+        self._add_write(src, replace(w, corrupt=True))
+        self._note(lambda: f"data plane: {self._name(w.rid)}'s write to page {w.page} will land corrupted")
+
+    def _ev_short(self, rid: int) -> None:
+        run = self.prefill.runs[rid]
+        victim = next(w for w in run.pending if w.page == run.last_page)
+        run.pending = tuple(replace(w, tokens=w.tokens - 1) if w is victim else w for w in run.pending)
+        run.tokens -= 1
+        run.short = True
+        left = _tokens(victim.tokens - 1)
+        self._note(lambda: f"prefill runner bug: {self._name(rid)} is computed one token short "
+                           f"({_tokens(run.tokens)}); its write to page {victim.page} carries {left}")
+
+    def _ev_finish(self, rid: int) -> None:
+        run = self.prefill.runs.pop(rid)
+        core = self.prefill.core
+        if run.failed:
+            self._note(lambda: f"prefill runner: {self._name(rid)} ended with a data-plane error")
+            self._prefill_do(core.compute_failed(rid, ServiceUnavailable("KV transfer failed")))
+        else:
+            self._note(lambda: f"prefill runner: every write of {self._name(rid)} has landed ({_tokens(run.tokens)})")
+            self._prefill_do(core.computed(rid, run.tokens, 0, self._bit(rid)))
+
+    def _ev_step(self, rid: int) -> None:
+        """One decode step of ``rid``: the engine checks its page table (always on), then reads its pages."""
+        node, seq = self.decode, self.decode.engine[rid]
+        pages = node.core.pages
+        self._note(lambda: f"decode engine: a step of {self._name(rid)} reads pages {[g.page for g in seq.grants]}")
+        if not all(_held_by(pages, rid, g) for g in seq.grants):
+            del node.engine[rid]
+            pages.quarantine(rid, [g for g in seq.grants if _held_by(pages, rid, g)], "tag mismatch")
+            self._note(lambda: f"decode engine: {self._name(rid)}'s page table tags do not match; it fails")
+            err = IntegrityError("KV cache verification failed for this request; no output was produced.")
+            self._decode_do(node.core.engine_output(Reject(rid, ErrorInfo.of(err)), self.now))
+            return
+        self._check_read(seq)
+        token = self._bit(rid)
+        for g in seq.grants:
+            token |= self._bit(node.plane[g.page].rid)
+        self._decode_token(seq, token)
+
+    def _ev_timeout(self, worker: str) -> None:
+        self._note(lambda: f"{worker}: timers fire at t={self.now}")
+        if worker == PREFILL:
+            self._prefill_do(self.prefill.core.tick(self.now))
+        else:
+            self._decode_do(self.decode.core.tick(self.now))
+
+    def _ev_tick(self) -> None:
+        self.now = self._next_deadline()
+        self._note(lambda: f"time passes: t={self.now}")
+
+    def _ev_crash(self, worker: str) -> None:
+        node = self._node(worker)
+        node.down, node.noticed, node.core = True, False, None
+        for chan in [ch for ch in self.net if ch[1] == worker]:  # its inbox dies with it
+            del self.net[chan], self.wire[chan]
+        if worker == PREFILL:
+            self.zombies += tuple(w for run in node.runs.values() for w in run.pending)
+            node.runs = {}
+            self._note(lambda: f"{worker} crashes; writes it already issued may still land")
+        else:
+            node.engine = {}
+            self._note(lambda: f"{worker} crashes; its pool is gone")
+
+    def _ev_notice(self, worker: str) -> None:
+        node = self._node(worker)
+        node.noticed = True
+        self.net.pop((ROUTER, worker), None)  # the router drops its outbox to the dead worker
+        self.wire.pop((ROUTER, worker), None)
+        if worker == PREFILL:
+            self.zombies = ()  # the process is gone: nothing of it can still write
+        self._note(lambda: f"router notices that {worker} died")
+        self._router_do(self.router.worker_down(worker))
+
+    def _ev_restart(self, worker: str) -> None:
+        node = self._node(worker)
+        if not node.noticed:  # back before the router noticed: its heartbeats never stop, so it never will
+            node.noticed = True
+            if worker == PREFILL:
+                self.zombies = ()
+            self._note(lambda: f"(the router never notices that {worker} died)")
+        node.down, node.inc = False, node.inc + 1
+        if worker == PREFILL:
+            node.core, node.decodes, node.runs = self._new_prefill_core(), {}, {}
+        else:
+            self._boot_decode(ghost=False)
+        self._note(lambda: f"{worker} restarts (incarnation {node.inc}) with a fresh core and says Hello")
+        self._send(worker, ROUTER, self._hello(worker))
+
+    # -- carrying out actions, as the worker loops do ----------------------------------------
+
+    def _router_receive(self, src: str, msg: Message) -> None:
+        if isinstance(msg, Reject):
+            client = self.clients.get(msg.rid)
+            if client is not None and not client.ended and not client.gone and client.rejected_by is None:
+                self.clients[msg.rid] = client._replace(rejected_by=src, rejected_status=msg.error.status)
+        self._router_do(self.router.handle(src, msg))
+
+    def _router_do(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                self._send(ROUTER, a.to, a.msg)
+            elif isinstance(a, Deliver):
+                self._deliver_to_client(a)
+            else:
+                raise TypeError(f"router cannot carry out {a!r}")
+
+    def _prefill_do(self, actions: list[Action]) -> None:
+        while actions:
+            follow: list[Action] = []
+            for a in actions:
+                if isinstance(a, Send):
+                    self._send(PREFILL, a.to, a.msg)
+                elif isinstance(a, StartPrefill):
+                    follow += self._start_prefill(a)
+                elif isinstance(a, StopPrefill):
+                    run = self.prefill.runs.get(a.rid)
+                    if run is not None:
+                        run.stopped = True
+                    self._note(lambda a=a: f"prefill runner: stop {self._name(a.rid)}")
+                else:
+                    raise TypeError(f"prefill cannot carry out {a!r}")
+            actions = follow
+
+    def _start_prefill(self, start: StartPrefill) -> list[Action]:
+        node = self.prefill
+        target = node.decodes.get(start.decode)
+        if target is None or (target != self.decode.inc or self.decode.down):
+            self._note(lambda: f"prefill runner: cannot reach {start.decode}'s pool for {self._name(start.rid)}")
+            return node.core.compute_failed(start.rid, ServiceUnavailable("decode worker unreachable"))
+        n, ps = len(start.prompt_ids), self.cfg.page_size
+        local_pages = -(-n // ps)
+        counts = tokens_per_page(n, ps, local_pages)
+        writes = tuple(Write(start.rid, page, epoch, tokens, target)
+                       for (page, epoch), tokens in zip(start.dest, counts, strict=False))
+        node.runs[start.rid] = Run(start.rid, n, writes, writes[-1].page if writes else -1)
+        self._note(lambda: f"prefill runner: computes {self._name(start.rid)} ({_tokens(n)}) and issues writes "
+                           f"to pages {[w.page for w in writes]}")
+        return []
+
+    def _decode_do(self, actions: list[Action]) -> None:
+        while actions:
+            follow: list[Action] = []
+            for a in actions:
+                if isinstance(a, Send):
+                    self._send(DECODE, a.to, a.msg)
+                elif isinstance(a, StartDecode):
+                    follow += self._start_decode(a)
+                elif isinstance(a, StopDecode):
+                    seq = self.decode.engine.pop(a.rid, None)
+                    if seq is not None:
+                        self.decode.core.pages.free(a.rid, list(seq.grants))
+                    self._note(lambda a=a: f"decode engine: drops {self._name(a.rid)} and frees its pages")
+                else:
+                    raise TypeError(f"decode cannot carry out {a!r}")
+            actions = follow
+
+    def _start_decode(self, a: StartDecode) -> list[Action]:
+        seq = Seq(a.admit.rid, tuple(a.grants), len(a.admit.prompt_ids), a.admit.params.max_tokens)
+        self.decode.engine[seq.rid] = seq
+        self._note(lambda: f"decode engine: takes {self._name(seq.rid)} with pages {[g.page for g in a.grants]}")
+        return self._decode_token(seq, a.first_token, deliver=False)
+
+    def _decode_token(self, seq: Seq, token: int, deliver: bool = True) -> list[Action]:
+        seq.produced += 1
+        finished = seq.produced >= seq.max_tokens
+        if finished:
+            del self.decode.engine[seq.rid]
+            self.decode.core.pages.free(seq.rid, list(seq.grants))
+        out = Output(seq.rid, [token], "", "length" if finished else None, seq.prompt_len, seq.produced)
+        self._note(lambda: f"decode engine: {self._name(seq.rid)} token {seq.produced} = {self._token_name(token)}"
+                   + (" (finished; pages freed)" if finished else ""))
+        actions = self.decode.core.engine_output(out, self.now)
+        if deliver:
+            self._decode_do(actions)
+            return []
+        return actions
+
+    def _send(self, src: str, dst: str, msg: Message) -> None:
+        self._note(lambda: f"  {src} -> {dst}: {self._fmt(msg)}")
+        chan = (src, dst)
+        self.net[chan] = self.net.get(chan, ()) + (msg,)
+        self.wire[chan] = self.wire.get(chan, ()) + (_enc(msg),)
+
+    def _deliver_to_client(self, d: Deliver) -> None:
+        client = self.clients.get(d.rid)
+        if client is None or client.gone:
+            return  # the HTTP handler is gone; nobody reads it
+        name, spec = self._name(d.rid), self.cfg.spec(d.rid)
+        if client.ended:
+            self._violate("I4", f"client {name} got a second ending after its first ({client.status})")
+            return
+        if d.error is not None:
+            err = d.error
+            self._note(lambda: f"  client {name} <- HTTP {err.status} {err.code or err.type}")
+            self.clients[d.rid] = client._replace(status=err.status, code=err.code)
+            client_fault = client.rejected_status is not None and 400 <= client.rejected_status < 500
+            if self.cfg.router_sees_over_length(spec) and err.status != 400:
+                self._violate("I3", f"over-length request {name} got HTTP {err.status}, not 400 "
+                                    "context_length_exceeded")
+            elif client_fault and not 400 <= err.status < 500:
+                self._violate("I3", f"{client.rejected_by} rejected {name} with HTTP {client.rejected_status} "
+                                    f"(the client's fault), but the client got HTTP {err.status}")
+            elif not self.cfg.over_length(spec) and 400 <= err.status < 500:
+                self._violate("I3", f"request {name} fits every limit but got HTTP {err.status} (client's fault)")
+            return
+        out = d.output
+        self._note(lambda: f"  client {name} <- tokens {[self._token_name(t) for t in out.token_ids]}"
+                   + (f" (finished: {out.finish_reason})" if out.finish_reason else ""))
+        if client.rejected_by is not None:
+            self._violate("I3", f"{client.rejected_by} rejected {name}, yet its client receives tokens")
+        if self.cfg.over_length(spec):
+            self._violate("I3", f"over-length request {name} is answered with tokens (HTTP 200), not a 400")
+        for t in out.token_ids:
+            foreign = sorted({self._tenant_of_bit(b) for b in _bits(t)} - {spec.tenant})
+            if foreign:
+                self._violate("I6", f"client {name} (tenant {spec.tenant}) receives a token computed from KV of "
+                                    f"tenant {', '.join(foreign)}")
+        status = 200 if out.finish_reason is not None else None
+        self.clients[d.rid] = client._replace(tokens=client.tokens + tuple(out.token_ids), status=status)
+
+    # -- invariant checks that watch transitions -----------------------------------------------
+
+    def _check_read(self, seq: Seq) -> None:
+        """I1: every page a decode step reads is rid's, under its grant, and holds rid's own KV."""
+        pages, name = self.decode.core.pages, self._name(seq.rid)
+        counts = tokens_per_page(seq.prompt_len, self.cfg.page_size, len(seq.grants))
+        for g, tokens in zip(seq.grants, counts, strict=True):
+            label = self.decode.plane[g.page]
+            if not _held_by(pages, seq.rid, g):
+                self._violate("I1", f"{name} reads page {g.page}, which the page table no longer gives it")
+            elif (label.rid, label.epoch, label.page) != (seq.rid, g.epoch, g.page):
+                who = self._writer(label)
+                self._violate("I1", f"{name} decodes from page {g.page}, which holds {who}, not its own KV "
+                                    f"(grant epoch {g.epoch})")
+            elif label.tokens < tokens:
+                self._violate("I1", f"{name} decodes from page {g.page}, where only {label.tokens} of its "
+                                    f"{tokens} tokens were written; the rest is stale KV")
+            elif label.corrupt:
+                self._violate("I1", f"{name} decodes from page {g.page}, whose bytes were corrupted in transit")
+
+    def _violate(self, invariant: str, message: str) -> None:
+        self.violations.append(Violation(invariant, message))
+        self._note(lambda: f"  !! {invariant} violated: {message}")
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _node(self, worker: str) -> PrefillNode | DecodeNode:
+        return self.prefill if worker == PREFILL else self.decode
+
+    def _take(self, chan: tuple[str, str], i: int) -> Message:
+        queue, wire = self.net[chan], self.wire[chan]
+        msg = queue[i]
+        if len(queue) > 1:
+            self.net[chan] = queue[:i] + queue[i + 1:]
+            self.wire[chan] = wire[:i] + wire[i + 1:]
+        else:
+            del self.net[chan], self.wire[chan]
+        return msg
+
+    def _remove_write(self, src: str, w: Write) -> None:
+        if src == "zombie":
+            i = self.zombies.index(w)
+            self.zombies = self.zombies[:i] + self.zombies[i + 1:]
+        else:
+            run = self.prefill.runs[w.rid]
+            i = run.pending.index(w)
+            run.pending = run.pending[:i] + run.pending[i + 1:]
+
+    def _add_write(self, src: str, w: Write) -> None:
+        if src == "zombie":
+            self.zombies += (w,)
+        else:
+            self.prefill.runs[w.rid].pending += (w,)
+
+    def _note(self, line) -> None:
+        """Record what happened, for traces (``line`` is called only when a log is kept)."""
+        if self.log is not None:
+            self.log.append(line())
+
+    def _fmt(self, msg: Message) -> str:
+        return fmt(msg, {r.rid: r.name for r in self.cfg.requests} | {GHOST_RID: "ghost"})
+
+    def _name(self, rid: int) -> str:
+        if rid == GHOST_RID:
+            return "ghost"
+        return next((r.name for r in self.cfg.requests if r.rid == rid), str(rid))
+
+    def _writer(self, label: Label) -> str:
+        if label.rid == 0:
+            return "never-written memory"
+        if label.rid == GHOST_RID:
+            return f"KV left by an earlier request of tenant {GHOST_TENANT}"
+        spec = self.cfg.spec(label.rid)
+        return f"KV of {spec.name} (tenant {spec.tenant}, epoch {label.epoch})"
+
+    # Token ids carry where their KV came from: one bit per request (and the ghost) it was computed from.
+    def _bit(self, rid: int) -> int:
+        if rid == 0:
+            return 0
+        if rid == GHOST_RID:
+            return 1 << len(self.cfg.requests)
+        return 1 << next(i for i, r in enumerate(self.cfg.requests) if r.rid == rid)
+
+    def _tenant_of_bit(self, bit: int) -> str:
+        if bit == len(self.cfg.requests):
+            return GHOST_TENANT
+        return self.cfg.requests[bit].tenant
+
+    def _token_name(self, token: int) -> str:
+        names = [self.cfg.requests[b].name if b < len(self.cfg.requests) else "ghost" for b in _bits(token)]
+        return "kv(" + "+".join(names) + ")"
+
+
+class _Digest:
+    """blake2b-128 of a pickle made without memo, so that it depends on values alone, never on object identity."""
+
+    def __init__(self) -> None:
+        self.buf = io.BytesIO()
+        self.pickler = pickle.Pickler(self.buf, protocol=5)
+        self.pickler.fast = True
+
+    def __call__(self, parts: tuple) -> bytes:
+        buf = self.buf
+        buf.seek(0)
+        buf.truncate()
+        self.pickler.dump(parts)
+        return hashlib.blake2b(buf.getbuffer(), digest_size=16).digest()
+
+
+_digest = _Digest()
+
+
+def _wkey(w: Write) -> tuple:
+    return (w.rid, w.page, w.epoch, w.tokens, w.target, w.corrupt)
+
+
+def _lkey(label: Label) -> tuple:
+    return (label.rid, label.epoch, label.page, label.tokens, label.corrupt)
+
+
+_enc = msgspec.json.Encoder().encode
+_ATOMS = (int, str, bool, float, bytes, type(None))
+_SKIP = frozenset({"me", "router", "limits", "safety", "verify", "emulate_incident", "max_context", "num_pages"})
+
+
+def canon(obj, now: int):
+    """A core (or anything inside one) as nested tuples of atoms, generically: new fields are picked up."""
+    t = type(obj)
+    f = _CANON.get(t)
+    if f is None:
+        f = _CANON[t] = _canon_for(t)
+    return f(obj, now)
+
+
+def _canon_for(t: type):
+    if t in _ATOMS:
+        return _atom
+    if issubclass(t, msgspec.Struct):
+        return lambda obj, now: _enc(obj)
+    if issubclass(t, Enum):
+        return lambda obj, now: obj._value_
+    if t is dict:
+        return _canon_dict
+    if t in (list, tuple, deque):
+        return lambda obj, now: tuple([canon(x, now) for x in obj])
+    if t in (set, frozenset):
+        return lambda obj, now: tuple(sorted(canon(x, now) for x in obj))
+    if t is np.ndarray:
+        return lambda obj, now: obj.tobytes()
+    if t is PageGrant:
+        return lambda obj, now: (obj.page, obj.epoch)
+    return _canon_object
+
+
+def _atom(obj, now):
+    return obj
+
+
+def _canon_dict(obj: dict, now: int) -> tuple:
+    """In insertion order: cores iterate their tables, so the order can decide the order of messages."""
+    return tuple([(k if type(k) in _ATOMS else canon(k, now), canon(v, now)) for k, v in obj.items()])
+
+
+def _canon_object(obj, now: int) -> tuple:
+    d = obj.__dict__
+    state = d.get("state")
+    timed = type(state) in (PState, DState) and state in TIMED
+    t = type(obj)
+    names = _NAMES.get(t)
+    if names is None or len(names[1]) != len(d):
+        names = _NAMES[t] = (tuple(k for k in sorted(d) if k not in _SKIP), tuple(d))
+    out = [t.__name__]
+    for k in names[0]:
+        v = d[k]
+        if k == "deadline":
+            out.append(v - now if timed else None)
+        else:
+            out.append(canon(v, now))
+    return tuple(out)
+
+
+_CANON: dict[type, object] = {}
+_NAMES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" + ("" if n == 1 else "s")
+
+
+def _bits(token: int) -> list[int]:
+    return [b for b in range(token.bit_length()) if token >> b & 1]
+
+
+GRANTED, READY = int(PageState.GRANTED), int(PageState.READY)
+
+
+def _held_by(pages: PageTable, rid: int, g: PageGrant) -> bool:
+    state = pages.state[g.page]
+    return GRANTED <= state <= READY and pages.owner_of(g.page) == rid and int(pages.epoch[g.page]) == g.epoch
+
+
+# -- readable messages --------------------------------------------------------------------------
+
+
+def fmt(msg: Message, names: dict[int, str] | None = None) -> str:
+    """A message in one short line: its type and the fields that matter."""
+    name = type(msg).__name__
+    fields = msgspec.structs.asdict(msg)
+    parts = []
+    for k, v in fields.items():
+        if k in ("params", "text", "prompt_tokens", "completion_tokens", "control", "data", "queued_tokens",
+                 "running", "free_pages", "max_context", "pool_tokens", "pid") and name != "Peers":
+            continue
+        if k == "rid":
+            v = (names or {}).get(v, v)
+        elif k == "prompt_ids":
+            k, v = "prompt", f"{len(v)} tokens"
+        elif k == "error":
+            v = f"{v.status} {v.code or v.type}"
+        elif k == "pages":
+            v = ",".join(f"{p}@e{e}" for p, e in v)
+        parts.append(f"{k}={v}")
+    return f"{name}({', '.join(parts)})"
+
+
+# -- copying worlds ---------------------------------------------------------------------------
+
+
+def _copy_obj(obj):
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    return new
+
+
+def _copy_router(core: RouterCore) -> RouterCore:
+    new = _copy_obj(core)
+    new.reqs = {k: _copy_obj(v) for k, v in core.reqs.items()}
+    new.workers = {k: _copy_obj(v) for k, v in core.workers.items()}
+    _copy_extra(core, new, ("me", "max_context", "safety", "reqs", "workers"))
+    return new
+
+
+def _copy_prefill(node: PrefillNode) -> PrefillNode:
+    new = _copy_obj(node)
+    new.decodes = dict(node.decodes)
+    new.runs = {k: _copy_obj(v) for k, v in node.runs.items()}
+    if node.core is not None:
+        new.core = _copy_obj(node.core)
+        new.core.reqs = {k: _copy_obj(v) for k, v in node.core.reqs.items()}
+        _copy_extra(node.core, new.core, ("me", "router", "limits", "safety", "emulate_incident", "reqs"))
+    return new
+
+
+def _copy_decode(node: DecodeNode) -> DecodeNode:
+    new = _copy_obj(node)
+    new.engine = {k: _copy_obj(v) for k, v in node.engine.items()}
+    if node.core is not None:
+        core = node.core
+        c = new.core = _copy_obj(core)
+        c.reqs = {k: _copy_obj(v) for k, v in core.reqs.items()}
+        for r in c.reqs.values():
+            r.grants = list(r.grants)
+        c.waiting = type(core.waiting)(core.waiting)
+        c.silent = dict(core.silent)
+        c.pages = _copy_pages(core.pages)
+        c.verify = PlaneVerifier(new, core.verify.safety, core.verify.page_size)
+        _copy_extra(core, c, ("me", "router", "pages", "limits", "safety", "verify", "reqs", "waiting", "silent"))
+    return new
+
+
+def _copy_pages(t: PageTable) -> PageTable:
+    new = _copy_obj(t)
+    for name, value in t.__dict__.items():
+        if isinstance(value, np.ndarray):
+            setattr(new, name, value.copy())
+    new.quarantine_reason = dict(t.quarantine_reason)
+    new._free = type(t._free)(t._free)
+    _copy_extra(t, new, ("num_pages", "owner_hi", "owner_lo", "epoch", "filled", "state", "quarantine_reason",
+                         "_free"))
+    return new
+
+
+def _copy_extra(old, new, known: tuple[str, ...]) -> None:
+    """Attributes this cloner does not know yet are deep-copied, so a new field in a core is never shared."""
+    import copy
+
+    if len(old.__dict__) > len(known):
+        for name in old.__dict__.keys() - set(known):
+            setattr(new, name, copy.deepcopy(getattr(old, name)))
+

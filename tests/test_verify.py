@@ -1,0 +1,141 @@
+"""`kvfence verify`: the exhaustive model check of the transfer protocol, over the real protocol cores.
+
+The default configuration must explore to completion without a violation, and switching off any one
+safety layer must produce a short counterexample that names the broken invariant.
+"""
+
+import copy
+import random
+
+import pytest
+
+from kvfence.cli import main
+from kvfence.protocol.decode import DecodeCore
+from kvfence.protocol.prefill import PrefillCore
+from kvfence.protocol.router import RouterCore
+from kvfence.safety import Safety
+from kvfence.verify.explorer import explore
+from kvfence.verify.world import FAULTS, CheckConfig, Faults, World
+
+
+def unsafe(layers: str, **kw) -> CheckConfig:
+    return CheckConfig(safety=Safety.from_env(layers), **kw)
+
+
+def test_the_checked_world_runs_the_production_cores():
+    w = World(CheckConfig())
+    assert (type(w.router), type(w.prefill.core), type(w.decode.core)) == (RouterCore, PrefillCore, DecodeCore)
+
+
+def test_default_config_explores_to_completion_without_violation():
+    res = explore(CheckConfig())
+    assert res.violation is None, res.report()
+    assert res.complete and res.states > 50_000 and res.quiescent > 0
+    text = res.report()
+    assert f"explored {res.states:,} states" in text and "no violation" in text
+
+
+# layer off -> (config, invariants it may break); the default config unless the layer needs more
+MUTATIONS = {
+    "admission": (unsafe("admission"), {"I3"}),  # an over-length request reaches the workers
+    # a prefill started with a smaller context rejects with 400; without L2 the client gets decode's 5xx instead
+    "propagation": (unsafe("propagation", prefill_max_context=5), {"I3"}),
+    "tags": (unsafe("tags"), {"I1", "I6"}),  # a lost write leaves another tenant's KV in the page
+    "coverage": (unsafe("coverage"), {"I1"}),  # a short prompt leaves stale slots
+    "checksum": (unsafe("checksum"), {"I1"}),  # corrupted bytes are decoded
+    "deferred_release": (unsafe("deferred_release"), {"I2"}),  # pages reused while a write may land
+    # with per-channel FIFO an Abort cannot overtake its Dest, so L7 is needed once messages may reorder
+    "deferred_abort": (unsafe("deferred_abort", network="any"), {"I2"}),
+}
+
+
+@pytest.mark.parametrize("layer", MUTATIONS)
+def test_each_layer_switched_off_gives_a_short_readable_counterexample(layer):
+    cfg, broken = MUTATIONS[layer]
+    res = explore(cfg)
+    assert res.violation is not None, f"{layer} off: no violation found\n{res.report()}"
+    assert res.violation.invariant in broken, res.report()
+    assert len(res.trace) <= 20, res.report()
+    text = res.report()
+    assert f"VIOLATION of {res.violation.invariant}" in text and res.violation.message in text
+    assert "  1. client" in text  # numbered steps, from the first submission
+
+
+def test_a_prefill_with_a_smaller_context_than_the_router_is_safe_with_every_layer_on():
+    res = explore(CheckConfig(prefill_max_context=5, faults=Faults(total=0)))
+    assert res.ok, res.report()
+
+
+def test_propagation_off_is_also_caught_in_the_default_config():
+    res = explore(unsafe("propagation"))
+    assert res.violation is not None and res.violation.invariant == "I3", res.report()
+
+
+def test_incident_emulation_leaks_another_tenants_kv_once_its_defences_are_off():
+    cfg = unsafe("admission,coverage,tags", emulate_incident=True, faults=Faults(total=0))
+    res = explore(cfg, invariants=frozenset({"I1", "I6"}))
+    assert res.violation is not None and res.violation.invariant == "I1", res.report()
+    assert "tenant carol" in res.report()  # the placeholder left the other pages holding someone else's KV
+
+
+def test_incident_emulation_with_every_layer_on_is_caught():
+    res = explore(CheckConfig(emulate_incident=True, faults=Faults(total=0)))
+    assert res.ok, res.report()
+
+
+def test_a_lost_reply_to_the_router_is_reported_as_a_hang():
+    """Loss between live processes is off by default (ZeroMQ over TCP does not lose them); the checker still sees it."""
+    res = explore(CheckConfig(faults=Faults(drop=1, dup=0, crash=0, disconnect=0, fail=0, lose=0, short=0, corrupt=0)))
+    assert res.violation is not None and res.violation.invariant == "I4", res.report()
+    assert "deadlock" in res.violation.message
+
+
+def test_copy_on_write_and_cached_keys_match_fully_independent_copies():
+    """Along random runs, every enabled event: the parent is untouched, and the child equals a deep copy's."""
+    rng = random.Random(3)
+    kinds: set[str] = set()
+    for _ in range(25):
+        w = World(CheckConfig(faults=Faults(drop=1, total=2)))
+        for _ in range(40):
+            events = w.events()
+            if not events:
+                break
+            before = w.key()  # as the explorer does: this fills the cache the children start from
+            assert before == w.fresh_key()
+            for ev in events:
+                child, deep = w.clone(), copy.deepcopy(w)
+                child.apply(ev)
+                deep.apply(ev)
+                assert w.fresh_key() == before, f"{ev} changed its parent"
+                assert child.key() == child.fresh_key() == deep.fresh_key(), f"{ev}: cached key is stale"
+                kinds.add(ev[0])
+            w = w.clone()
+            w.apply(rng.choice(events))
+    assert {"deliver", "land", "finish", "step", "timeout", "crash", "notice", "restart"} <= kinds, kinds
+
+
+def test_every_fault_kind_is_offered_by_the_environment():
+    rng = random.Random(7)
+    kinds: set[str] = set()
+    for _ in range(30):
+        w = World(CheckConfig(faults=Faults(drop=1)))
+        for _ in range(40):
+            events = w.events()
+            kinds.update(ev[0] for ev in events)
+            progress = [ev for ev in events if ev[0] not in FAULTS]
+            if not progress:
+                break
+            w.apply(rng.choice(progress))
+    assert FAULTS <= kinds, FAULTS - kinds
+
+
+def test_cli_verify_prints_the_state_count_and_exits_0(capsys):
+    assert main(["verify", "--max-faults", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "explored 1," in out and "(complete)" in out and "no violation" in out
+
+
+def test_cli_verify_exits_1_on_a_violation_and_2_at_the_state_cap(capsys):
+    assert main(["verify", "--unsafe", "deferred_release", "--max-faults", "0"]) == 1
+    assert "VIOLATION of I2" in capsys.readouterr().out
+    assert main(["verify", "--max-states", "100"]) == 2
