@@ -135,10 +135,11 @@ def main() -> None:
         pick = max if better == "higher" else min
         row = {"workload": name, "unit": unit, "kvfence": pick(a), "transformers": pick(b) if b else None}
         if b:
-            row["ratio"] = row["kvfence"] / row["transformers"] if better == "higher" else row["transformers"] / row["kvfence"]
+            ours, theirs = row["kvfence"], row["transformers"]
+            row["ratio"] = ours / theirs if better == "higher" else theirs / ours
         rows.append(row)
-        print(f"  {name}: kvfence {row['kvfence']:.2f} {unit}" + (f", transformers {row['transformers']:.2f}" if b else ""),
-              file=sys.stderr, flush=True)
+        reference = f", transformers {row['transformers']:.2f}" if b else ""
+        print(f"  {name}: kvfence {row['kvfence']:.2f} {unit}{reference}", file=sys.stderr, flush=True)
 
     tok = loaded.tokenizer
     for n in (512, 2048):
@@ -171,7 +172,8 @@ def main() -> None:
           f"{limit:.1f} tok/s; kvfence reaches {100 * batch1 / limit:.0f}%")
     print(f"peak RSS {result['peak_rss_mib']:.0f} MiB (transformers loaded too: {hf is not None}), "
           f"start to first token {start_to_first_token:.1f}s")
-    print(f"wrote {args.json}; median of ratios {statistics.median([r['ratio'] for r in rows if r.get('ratio')] or [0]):.2f}x")
+    ratios = [r["ratio"] for r in rows if r.get("ratio")] or [0]
+    print(f"wrote {args.json}; median of ratios {statistics.median(ratios):.2f}x")
 
 
 if __name__ == "__main__":

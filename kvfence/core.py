@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field, replace
-from enum import Enum
+from enum import StrEnum
 
 
 def new_request_id() -> int:
@@ -97,7 +97,7 @@ class SamplingParams:
         return replace(self, max_tokens=n)
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
