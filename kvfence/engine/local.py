@@ -65,6 +65,8 @@ class LocalEngine:
         return {
             "status": "ok" if self._thread.is_alive() else "engine thread stopped",
             "mode": "colocated",
+            "max_context": e.config.max_context,
+            "kv_pool_tokens": e.pages.num_pages * e.config.page_size,
             "running": len(e.scheduler.running),
             "waiting": len(e.scheduler.waiting),
             "kv_pages_total": e.pages.num_pages,

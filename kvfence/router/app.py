@@ -52,6 +52,7 @@ from kvfence.engine.client import EngineClient
 from kvfence.router.responses import DONE, Format, error_body, sse
 from kvfence.router.schemas import ChatCompletionRequest, CompletionRequest, GenerateBody
 from kvfence.router.tenants import Tenants
+from kvfence.safety import Safety
 
 log = logging.getLogger("kvfence.router")
 T = TypeVar("T")
@@ -71,7 +72,7 @@ def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants) -> FastAP
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 with the engine's figures; 503 when the engine reports a status other than "ok"."""
-        body = {"status": "ok", **engine.health()}
+        body = {"status": "ok", **engine.health(), "safety_layers_off": Safety.from_env().disabled}
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/v1/models")

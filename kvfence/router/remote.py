@@ -65,11 +65,12 @@ class RemoteEngine:
     def health(self) -> dict:
         workers = {w: {"role": i.hello.role, "pid": i.hello.pid, "in_flight": i.in_flight,
                        "assigned": self.assigned.get(w, 0), "free_pages": i.hello.free_pages,
-                       "running": i.hello.running} for w, i in self.core.workers.items()}
+                       "running": i.hello.running, "pool_tokens": i.hello.pool_tokens,
+                       "max_context": i.hello.max_context} for w, i in self.core.workers.items()}
         ready = sum(1 for i in self.core.workers.values() if i.hello.role == "decode") and \
             sum(1 for i in self.core.workers.values() if i.hello.role == "prefill")
         return {"status": "ok" if ready else "waiting for workers", "mode": "disaggregated",
-                "in_flight": len(self.core.reqs), "workers": workers}
+                "max_context": self.max_context, "in_flight": len(self.core.reqs), "workers": workers}
 
     # -- plumbing -----------------------------------------------------------------
 
