@@ -22,13 +22,17 @@ class KvfenceError(Exception):
     status: int = 500
     type: str = "internal_error"
     code: str | None = None
+    layer: str | None = None  # the safety layer that decided, e.g. "admission" (for the audit log and metrics)
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 layer: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        if layer is not None:
+            self.layer = layer
 
     def to_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -41,6 +45,7 @@ class InvalidRequest(KvfenceError):
 
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
+    layer = "admission"
 
     def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, what: str = "context length") -> None:
         super().__init__(
@@ -134,6 +139,8 @@ class RequestOutput:
     error: KvfenceError | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    pages: list[tuple[int, int]] | None = None  # on the last output: the (page, epoch) grants the request read
+    verification: str | None = None  # on the last output: how its landed KV was verified
 
     @property
     def finished(self) -> bool:

@@ -45,3 +45,9 @@ class Safety:
             return None
         return ("!" * 72 + f"\n!!! KVFENCE_UNSAFE: safety layers OFF: {', '.join(self.disabled)}\n"
                 "!!! Tenants are NOT isolated. Test use only.\n" + "!" * 72)
+
+
+def layer_of(problem: str) -> str | None:
+    """The layer named at the start of a verification problem ("tags: page 3: ..." -> "tags")."""
+    head = problem.split(":", 1)[0]
+    return head if head in LAYERS else None

@@ -74,7 +74,8 @@ def test_decode_coverage_mismatch_quarantines_and_fails_with_500():
     core.handle(R, admit(6), now=0)
     out = core.handle(P, Done(RID, tokens=1, checksum=0, first_token=7), now=1)
     assert len(out) == 1 and out[0].to == R and out[0].msg.error.status == 500
-    assert core.pages.quarantine_reason == {0: "1 tokens written, 6 expected", 1: "1 tokens written, 6 expected"}
+    reason = "coverage: 1 tokens written, 6 expected"
+    assert core.pages.quarantine_reason == {0: reason, 1: reason}
     core.pages.check_integrity()
 
 

@@ -20,15 +20,27 @@ from kvfence.kvcache.pages import PageError, PageGrant, PageState, PageTable
 from kvfence.kvcache.pool import KVPool
 from kvfence.model.llama import Model, SeqChunk
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.safety import Safety
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
+    """Scheduler + model + KV pool.
+
+    Before every step reads its pages, each page's owner and epoch are checked against the page table
+    (L3). With ``remote_writes`` (decode: other processes write into this pool) the pages' tag records are
+    checked too, so a late write from an earlier grant is caught before its bytes are read; the engine then
+    stamps the tag records of pages it fills itself.
+    """
+
     def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig, dtype: torch.dtype,
-                 device: str = "cpu", pool: KVPool | None = None) -> None:
+                 device: str = "cpu", pool: KVPool | None = None, safety: Safety | None = None,
+                 remote_writes: bool = False) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.safety = safety or Safety.from_env()
         self.pool = pool or KVPool(model.config, config.num_pages, config.page_size, dtype, device)
+        self.region = self.pool.region if remote_writes else None
         self.pages = PageTable(config.num_pages)
         self.scheduler = Scheduler(config, self.pages)
         self.seqs: dict[int, Sequence] = {}
@@ -64,12 +76,13 @@ class Engine:
         seq = Sequence(req, make_generator(req.params))
         seq.add_grants(grants)
         seq.num_computed = req.prompt_len
+        seq.stamped = len(grants)  # prefill wrote these tag records, checked on landing
         self.seqs[req.rid] = seq
         self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.config.max_context)
         self.scheduler.running.append(seq)
         out = self.trackers[req.rid].append(first_token)
         if out.finished:
-            self._end(seq)
+            self._end(seq, out)
         return out
 
     def abort(self, rid: int) -> RequestOutput | None:
@@ -110,9 +123,15 @@ class Engine:
         return SeqChunk(ids, w.start, w.seq.page_ids)
 
     def _verify(self, work: list[Work]) -> tuple[list[Work], list[RequestOutput]]:
-        """Check owner and epoch of every page each sequence reads this step (one vectorised pass)."""
+        """L3: check owner and epoch of every page each sequence reads this step (one vectorised pass)."""
+        if not self.safety.tags:
+            return work, []
+        if self.region is not None:
+            self._stamp_new_grants(work)
         tags = [np.concatenate(parts) for parts in zip(*(w.seq.tags for w in work), strict=True)]
         ok = self.pages.verify(*tags)
+        if self.region is not None:
+            ok &= self.region.tags_match(*tags)
         if ok.all():
             return work, []
         good, failed, offset = [], [], 0
@@ -122,13 +141,21 @@ class Engine:
             offset += n
         return good, [self._fail(w.seq) for w in failed]
 
+    def _stamp_new_grants(self, work: list[Work]) -> None:
+        """Pages granted by the scheduler since the last step are filled by this engine: tag them as ours."""
+        for w in work:
+            seq = w.seq
+            if seq.stamped < len(seq.grants):
+                self.region.stamp(*(part[seq.stamped:] for part in seq.tags))
+                seq.stamped = len(seq.grants)
+
     def _fail(self, seq: Sequence) -> RequestOutput:
         log.error("request %032x: KV page tags do not match; failing it", seq.rid)
         rid = seq.rid
         self.scheduler.running.remove(seq)
         self.pages.quarantine(rid, [g for g in seq.drop_grants() if self.pages.owner_of(g.page) == rid], "tag mismatch")
         del self.seqs[rid], self.trackers[rid]
-        err = IntegrityError("KV cache verification failed for this request; no output was produced.")
+        err = IntegrityError("KV cache verification failed for this request; no output was produced.", layer="tags")
         return RequestOutput(rid, [], "", FinishReason.ERROR, error=err)
 
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[RequestOutput]:
@@ -150,9 +177,12 @@ class Engine:
         """Hook: ``seq`` sampled ``token``. Records it, and ends the request when it is finished."""
         out = self.trackers[seq.rid].append(token)
         if out.finished:
-            self._end(seq)
+            self._end(seq, out)
         return out
 
-    def _end(self, seq: Sequence) -> None:
+    def _end(self, seq: Sequence, last: RequestOutput | None = None) -> None:
+        """Forget ``seq`` and free its pages; ``last`` (its final output) records the grants it read."""
+        if last is not None:
+            last.pages = [(g.page, g.epoch) for g in seq.grants]
         self.scheduler.remove(seq)
         del self.seqs[seq.rid], self.trackers[seq.rid]

@@ -38,6 +38,7 @@ class Sequence:
     grants: list[PageGrant] = field(default_factory=list)
     num_computed: int = 0  # positions whose K/V are in the pool
     tags: tuple[np.ndarray, ...] = ()  # (pages, owner_hi, owner_lo, epochs) for PageTable.verify
+    stamped: int = 0  # grants whose tag records already name this request (decode with remote writers)
 
     @property
     def rid(self) -> int:
@@ -67,7 +68,7 @@ class Sequence:
 
     def drop_grants(self) -> list[PageGrant]:
         grants, self.grants, self.tags = self.grants, [], ()
-        self.num_computed = 0
+        self.num_computed = self.stamped = 0
         return grants
 
 

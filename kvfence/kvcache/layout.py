@@ -84,6 +84,20 @@ class RegionView:
         tag["epoch"], tag["page"], tag["tokens"], tag["checksum"] = epoch, page, tokens, checksum
 
 
+    def stamp(self, pages: np.ndarray, owner_hi: np.ndarray, owner_lo: np.ndarray, epochs: np.ndarray) -> None:
+        """Name the owner grant in the tag records of ``pages`` (pages their owner fills itself)."""
+        tags = self.tags
+        tags["owner_hi"][pages], tags["owner_lo"][pages], tags["epoch"][pages] = owner_hi, owner_lo, epochs
+        tags["page"][pages] = pages
+
+    def tags_match(self, pages: np.ndarray, owner_hi: np.ndarray, owner_lo: np.ndarray,
+                   epochs: np.ndarray) -> np.ndarray:
+        """Vectorised: a bool per page, True where its tag record names this owner, epoch and page."""
+        tags = self.tags[pages]
+        return ((tags["owner_hi"] == owner_hi) & (tags["owner_lo"] == owner_lo) & (tags["epoch"] == epochs)
+                & (tags["page"] == pages))
+
+
 def transfer_checksum(page_checksums: list[int]) -> int:
     """One checksum for a whole transfer: xxh3-64 over its pages' checksums in order."""
     return xxhash.xxh3_64_intdigest(np.array(page_checksums, dtype="<u8").tobytes())
@@ -96,7 +110,8 @@ def tokens_per_page(total: int, page_size: int, num_pages: int) -> list[int]:
 
 def check_landing(view: RegionView, rid: int, grants: list[tuple[int, int]], expected_tokens: int,
                   claimed_checksum: int, *, tags: bool, coverage: bool, checksum: bool) -> str | None:
-    """Decode's check of a finished transfer into ``grants``; None when it is good, else what is wrong."""
+    """Decode's check of a finished transfer into ``grants``; None when it is good, else what is wrong,
+    prefixed with the layer that caught it ("tags: ...", "coverage: ...", "checksum: ...")."""
     hi, lo = rid >> 64, rid & (2**64 - 1)
     sums = []
     for (page, epoch), tokens in zip(grants, tokens_per_page(expected_tokens, view.layout.page_size, len(grants)),
@@ -104,14 +119,14 @@ def check_landing(view: RegionView, rid: int, grants: list[tuple[int, int]], exp
         tag = view.tags[page]
         if tags and (int(tag["owner_hi"]), int(tag["owner_lo"]), int(tag["epoch"]), int(tag["page"])) != \
                 (hi, lo, epoch, page):
-            return f"page {page}: tag does not name this request and grant (epoch {epoch})"
+            return f"tags: page {page}: tag does not name this request and grant (epoch {epoch})"
         if coverage and int(tag["tokens"]) != tokens:
-            return f"page {page}: {int(tag['tokens'])} tokens written, {tokens} expected"
+            return f"coverage: page {page}: {int(tag['tokens'])} tokens written, {tokens} expected"
         if checksum:
             actual = view.page_checksum(page, tokens)
             if actual != int(tag["checksum"]):
-                return f"page {page}: checksum mismatch"
+                return f"checksum: page {page}: checksum mismatch"
             sums.append(actual)
     if checksum and transfer_checksum(sums) != claimed_checksum:
-        return "transfer checksum mismatch"
+        return "checksum: transfer checksum mismatch"
     return None

@@ -43,9 +43,10 @@ from kvfence.protocol.messages import (
     Output,
     Reject,
 )
-from kvfence.safety import Safety
+from kvfence.safety import Safety, layer_of
 
-# verify(rid, grants, expected_tokens, claimed_checksum) -> None when the landed pages are good, else what is wrong.
+# verify(rid, grants, expected_tokens, claimed_checksum) -> None when the landed pages are good, else what is wrong,
+# prefixed with the layer that caught it ("tags: page 3: ...").
 Verifier = Callable[[int, list[PageGrant], int, int], str | None]
 
 
@@ -191,7 +192,8 @@ class DecodeCore:
         problem = self._landing_problem(req, msg)
         if problem is not None:
             self._quarantine(req, problem)
-            return [self._reject(req.rid, IntegrityError(f"KV transfer failed verification: {problem}"))]
+            return [self._reject(req.rid, IntegrityError(f"KV transfer failed verification: {problem}",
+                                                         layer=layer_of(problem)))]
         self.pages.set_state(req.rid, req.grants, PageState.READY)
         req.state = DState.DECODING
         grants, req.grants = req.grants, []
@@ -200,7 +202,7 @@ class DecodeCore:
     def _landing_problem(self, req: DecodeReq, msg: Done) -> str | None:
         expected = len(req.msg.prompt_ids)
         if msg.tokens != expected and self.safety.coverage:
-            return f"{msg.tokens} tokens written, {expected} expected"
+            return f"coverage: {msg.tokens} tokens written, {expected} expected"
         return self.verify(req.rid, req.grants, expected, msg.checksum)
 
     def _writer_finished(self, rid: int, sender: str, error: ErrorInfo | None) -> list[Action]:

@@ -31,14 +31,15 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     message: str
     code: str | None = None
     param: str | None = None
+    layer: str | None = None
 
     @classmethod
     def of(cls, err: KvfenceError) -> ErrorInfo:
-        return cls(err.status, err.type, err.message, err.code, err.param)
+        return cls(err.status, err.type, err.message, err.code, err.param, err.layer)
 
     def to_error(self) -> KvfenceError:
         err = KvfenceError(self.message, param=self.param, code=self.code)
-        err.status, err.type = self.status, self.type
+        err.status, err.type, err.layer = self.status, self.type, self.layer
         return err
 
 
@@ -131,13 +132,15 @@ class AbortAck(RequestMsg, frozen=True):
 
 
 class Output(RequestMsg, frozen=True):
-    """Decode -> router: new tokens and text; ``finish_reason`` set on the last."""
+    """Decode -> router: new tokens and text; ``finish_reason`` set on the last, with its audit facts."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    pages: list[tuple[int, int]] | None = None  # last only: (page, epoch) grants read
+    verification: str | None = None  # last only: how the landed KV was verified
 
 
 class Reject(RequestMsg, frozen=True):

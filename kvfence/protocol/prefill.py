@@ -170,7 +170,8 @@ class PrefillCore:
         room = len(dest.pages) * self.limits.page_size
         if (dest.expected_tokens != n or room < n) and self.safety.coverage:
             del self.reqs[req.rid]
-            err = IntegrityError(f"decode expects {dest.expected_tokens} tokens in {room} slots; the prompt has {n}")
+            err = IntegrityError(f"decode expects {dest.expected_tokens} tokens in {room} slots; the prompt has {n}",
+                                 layer="coverage")
             return [Send(req.decode, Fail(req.rid, ErrorInfo.of(err))), self._reject(req.rid, err)]
         req.state = PState.COMPUTING
         return [StartPrefill(req.rid, req.msg.prompt_ids, dest.pages, req.decode)]

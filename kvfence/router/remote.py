@@ -141,5 +141,5 @@ def _to_output(action: Deliver) -> RequestOutput:
     o: Output = action.output
     finish = FinishReason(o.finish_reason) if o.finish_reason else None
     return RequestOutput(o.rid, o.token_ids, o.text, finish, prompt_tokens=o.prompt_tokens,
-                         completion_tokens=o.completion_tokens)
+                         completion_tokens=o.completion_tokens, pages=o.pages, verification=o.verification)
 

@@ -258,11 +258,11 @@ class PlaneVerifier:
         for g, tokens in zip(grants, counts, strict=True):
             tag = self.node.plane[g.page]
             if self.safety.tags and (tag.rid, tag.epoch, tag.page) != (rid, g.epoch, g.page):
-                return f"page {g.page}: tag does not name this request and grant (epoch {g.epoch})"
+                return f"tags: page {g.page}: tag does not name this request and grant (epoch {g.epoch})"
             if self.safety.coverage and tag.tokens != tokens:
-                return f"page {g.page}: {tag.tokens} tokens written, {tokens} expected"
+                return f"coverage: page {g.page}: {tag.tokens} tokens written, {tokens} expected"
             if self.safety.checksum and tag.corrupt:
-                return f"page {g.page}: checksum mismatch"
+                return f"checksum: page {g.page}: checksum mismatch"
         return None
 
 

@@ -32,9 +32,10 @@ class DecodeWorker(WorkerBase):
         self.target = make_target(settings.transfer, layout.nbytes)
         pool = self.make_pool(settings.pool_tokens, self.target.buffer)
         self._engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
-                              self.dtype, pool=pool)
+                              self.dtype, pool=pool, safety=self.safety, remote_writes=True)
         limits = DecodeLimits(settings.max_context, settings.page_size)
         self.core = DecodeCore(self.me, settings.router, self._engine.pages, limits, self.safety, self._verify)
+        self.verified: dict[int, str] = {}  # rid -> how its landing was verified, for its last Output
 
     @property
     def engine(self) -> Engine:
@@ -57,7 +58,7 @@ class DecodeWorker(WorkerBase):
     def step(self, now: float) -> list[Action]:
         actions: list[Action] = []
         for out in self._engine.step():
-            actions += self.core.engine_output(to_message(out), now)
+            actions += self.core.engine_output(self.to_message(out), now)
         return actions
 
     def tick(self, now: float) -> list[Action]:
@@ -68,23 +69,31 @@ class DecodeWorker(WorkerBase):
             a = action.admit
             req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid)
             out = self._engine.add_prefilled(req, action.grants, action.first_token)
-            return self.core.engine_output(to_message(out), now)
+            return self.core.engine_output(self.to_message(out), now)
         if isinstance(action, StopDecode):
             self._engine.abort(action.rid)
+            self.verified.pop(action.rid, None)
             return []
         return super().execute(action, now)
 
     def _verify(self, rid: int, grants: list[PageGrant], expected_tokens: int, checksum: int) -> str | None:
         s = self.safety
-        return check_landing(self._engine.pool.region, rid, [(g.page, g.epoch) for g in grants], expected_tokens,
-                             checksum, tags=s.tags, coverage=s.coverage, checksum=s.checksum)
+        problem = check_landing(self._engine.pool.region, rid, [(g.page, g.epoch) for g in grants], expected_tokens,
+                                checksum, tags=s.tags, coverage=s.coverage, checksum=s.checksum)
+        if problem is None:
+            skipped = [layer for layer in ("tags", "coverage", "checksum") if layer in s.disabled]
+            self.verified[rid] = f"ok (skipped: {', '.join(skipped)})" if skipped else "ok"
+        return problem
 
-
-def to_message(out: RequestOutput) -> Output | Reject:
-    if out.error is not None:
-        return Reject(out.rid, ErrorInfo.of(out.error))
-    finish = out.finish_reason.value if isinstance(out.finish_reason, FinishReason) else None
-    return Output(out.rid, out.token_ids, out.text, finish, out.prompt_tokens, out.completion_tokens)
+    def to_message(self, out: RequestOutput) -> Output | Reject:
+        """The engine's output as a message; the last one carries its pages and how they were verified."""
+        if out.error is not None:
+            self.verified.pop(out.rid, None)
+            return Reject(out.rid, ErrorInfo.of(out.error), self.me)
+        finish = out.finish_reason.value if isinstance(out.finish_reason, FinishReason) else None
+        verification = self.verified.pop(out.rid, None) if finish else None
+        return Output(out.rid, out.token_ids, out.text, finish, out.prompt_tokens, out.completion_tokens,
+                      out.pages, verification)
 
 
 def main(settings: WorkerSettings) -> None:
