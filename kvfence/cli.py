@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         w.set_defaults(func=cmd_worker, role=role)
     from kvfence.verify.cli import add_verify_parser
     add_verify_parser(sub)
+    from kvfence.tools.cli import add_audit_parsers
+    add_audit_parsers(sub)
     return parser
 
 
