@@ -335,29 +335,30 @@ def add_audit_parser(sub) -> None:
                     "Three forms:\n"
                     "  kvfence audit [--model M] [--max-context N] [--prefill N --decode M] [pool flags]\n"
                     "      a planned deployment, with kvfence serve's defaults (pool 4 x max context)\n"
-                    "  kvfence audit --url http://HOST:PORT      a running kvfence server (GET /health)\n"
-                    "  kvfence audit --url http://HOST:PORT      a running SGLang server or PD load balancer "
-                    "(its server info)\n\n"
+                    "  kvfence audit --url http://HOST:PORT [--key KEY]\n"
+                    "      a running kvfence server (its /health) or SGLang server or PD load balancer (its server\n"
+                    "      info), told apart automatically; repeat --url to audit several servers together\n\n"
                     "Exit status: 0 every node holds the context, 1 some node is undersized, 2 usage or "
                     "connection error.")
     plan = p.add_argument_group("a planned deployment (without --url)")
     plan.add_argument("--model", default="smollm2-135m", help="as for kvfence serve; only its metadata is read")
     plan.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16", help="KV cache precision")
     plan.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
-    plan.add_argument("--prefill", type=_count, default=1, help="prefill workers")
-    plan.add_argument("--decode", type=_count, default=1, help="decode workers")
+    plan.add_argument("--prefill", type=_count, metavar="N", default=1, help="prefill workers")
+    plan.add_argument("--decode", type=_count, metavar="N", default=1, help="decode workers")
     pool = p.add_argument_group("pools (without --url): tokens or memory per node; a role's own flag wins")
-    pool.add_argument("--kv-pool-tokens", type=_count, help="every node's pool in tokens (default: 4 x max context)")
-    pool.add_argument("--prefill-pool-tokens", type=_count)
-    pool.add_argument("--decode-pool-tokens", type=_count)
+    pool.add_argument("--kv-pool-tokens", type=_count, metavar="N",
+                      help="every node's pool in tokens (default: 4 x max context)")
+    pool.add_argument("--prefill-pool-tokens", type=_count, metavar="N")
+    pool.add_argument("--decode-pool-tokens", type=_count, metavar="N")
     pool.add_argument("--pool-memory", type=parse_bytes, metavar="SIZE",
                       help="every node's pool region in bytes, e.g. 512MiB, 2GiB (K/V plus page tags)")
     pool.add_argument("--prefill-pool-memory", type=parse_bytes, metavar="SIZE")
     pool.add_argument("--decode-pool-memory", type=parse_bytes, metavar="SIZE")
     both = p.add_argument_group("either form")
-    both.add_argument("--max-context", type=_positive_int, default=None,
+    both.add_argument("--max-context", type=_positive_int, default=None, metavar="N",
                       help="the context served (default: the model's; with --url: what the server reports)")
-    both.add_argument("--page-size", type=_positive_int, default=16,
+    both.add_argument("--page-size", type=_positive_int, default=16, metavar="N",
                       help="tokens per KV page (with --url: for kvfence workers, which do not report it)")
     both.add_argument("--json", action="store_true", help="print JSON instead of a table")
     url = p.add_argument_group("a running server")
