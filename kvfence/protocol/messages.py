@@ -166,6 +166,8 @@ class Hello(Msg, frozen=True):
     queued_tokens: int = 0
     running: int = 0
     pid: int = 0
+    quarantined_pages: int = 0
+    total_pages: int = 0
 
 
 class Peers(Msg, frozen=True):

@@ -45,10 +45,11 @@ class DecodeWorker(WorkerBase):
         self._engine.check_integrity([g.page for r in self.core.reqs.values() for g in r.grants])
 
     def hello(self) -> Hello:
-        sched = self._engine.scheduler
+        sched, pages = self._engine.scheduler, self._engine.pages
         return Hello(self.me, self.role, self.me, self.target.descriptor(), self.settings.pool_tokens,
-                     self.settings.max_context, free_pages=self._engine.pages.num_free,
-                     queued_tokens=len(self.core.waiting), running=len(sched.running), pid=os.getpid())
+                     self.settings.max_context, free_pages=pages.num_free,
+                     queued_tokens=len(self.core.waiting), running=len(sched.running), pid=os.getpid(),
+                     quarantined_pages=pages.num_quarantined, total_pages=pages.num_pages)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, WorkerDown):

@@ -159,9 +159,10 @@ class PrefillWorker(WorkerBase):
     def hello(self) -> Hello:
         sched = self.runner.scheduler
         queued = sum(s.req.prompt_len - s.num_computed for s in (*sched.waiting, *sched.running))
+        pages = self.runner.pages
         return Hello(self.me, self.role, self.me, {}, self.settings.pool_tokens, self.settings.max_context,
-                     free_pages=self.runner.pages.num_free, queued_tokens=queued, running=len(sched.running),
-                     pid=os.getpid())
+                     free_pages=pages.num_free, queued_tokens=queued, running=len(sched.running),
+                     pid=os.getpid(), quarantined_pages=pages.num_quarantined, total_pages=pages.num_pages)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, Peers):
