@@ -1,7 +1,8 @@
 """Router's protocol core: admission, pairing, and turning worker messages into client results.
 
 Sans-IO: ``submit``, ``client_gone``, ``handle``, ``worker_up`` and
-``worker_down`` go in; ``Send`` and ``Deliver`` actions come out.
+``worker_down`` go in; ``Send`` and ``Deliver`` actions come out. ``drained``
+is the set of workers an operator has taken out of rotation.
 
 Per request: HANDOFF (sent to a prefill/decode pair, no token yet) ->
 STREAMING (tokens arriving) -> ended.
@@ -13,6 +14,8 @@ Contracts:
 - A client that leaves during HANDOFF has its cancel held back until the
   handoff ends (L7), so no KV transfer is torn down mid-flight.
 - Every request ends exactly once: with a finished output or an error.
+- A drained worker is never picked for a new request; its requests in flight
+  go on as before. With every worker of a role drained, a new request gets 503.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class RouterCore:
         self.me, self.max_context, self.safety = me, max_context, safety
         self.reqs: dict[int, RouterReq] = {}
         self.workers: dict[str, WorkerInfo] = {}
+        self.drained: set[str] = set()  # worker ids; kept across a worker's death, so a restart stays drained
 
     # -- clients -----------------------------------------------------------------
 
@@ -63,7 +67,7 @@ class RouterCore:
         if err is None:
             pair = self._pick_pair(req)
             if pair is None:
-                err = ServiceUnavailable("No prefill/decode worker pair is available; try again shortly.")
+                err = self._no_pair_error()
         if err is not None:
             return [Deliver(req.rid, error=err)]
         prefill, decode = pair
@@ -163,6 +167,10 @@ class RouterCore:
             actions.append(Send(req.decode, Cancel(req.rid)))
         return actions
 
+    def in_handoff(self) -> int:
+        """Requests sent to a pair whose KV transfer has not yet ended (no token has come back)."""
+        return sum(1 for r in self.reqs.values() if r.state is RState.HANDOFF)
+
     def _role(self, role: str) -> list[str]:
         return [w for w, info in self.workers.items() if info.hello.role == role]
 
@@ -193,12 +201,20 @@ class RouterCore:
     def _pick_pair(self, req: Request) -> tuple[str, str] | None:
         """Least-loaded prefill by queued tokens, decode by free pages, among those that fit the request."""
         n, m = req.prompt_len, req.params.max_tokens
-        prefills = [w for w in self.workers.values() if w.hello.role == "prefill" and
-                    (n <= w.hello.pool_tokens or not self.safety.admission)]
-        decodes = [w for w in self.workers.values() if w.hello.role == "decode" and
-                   (n + m <= w.hello.pool_tokens or not self.safety.admission)]
+        prefills = [w for w in self._rotation("prefill") if n <= w.hello.pool_tokens or not self.safety.admission]
+        decodes = [w for w in self._rotation("decode") if n + m <= w.hello.pool_tokens or not self.safety.admission]
         if not prefills or not decodes:
             return None
         prefill = min(prefills, key=lambda w: (w.hello.queued_tokens + w.in_flight * n, w.hello.worker))
         decode = min(decodes, key=lambda w: (-w.hello.free_pages + w.in_flight, w.hello.worker))
         return prefill.hello.worker, decode.hello.worker
+
+    def _rotation(self, role: str) -> list[WorkerInfo]:
+        """The live workers of ``role`` that are not drained."""
+        return [w for w in self.workers.values() if w.hello.role == role and w.hello.worker not in self.drained]
+
+    def _no_pair_error(self) -> ServiceUnavailable:
+        for role in ("prefill", "decode"):
+            if self._role(role) and not self._rotation(role):
+                return ServiceUnavailable(f"Every {role} worker is drained; try again later.")
+        return ServiceUnavailable("No prefill/decode worker pair is available; try again shortly.")
