@@ -47,6 +47,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tenants", default=None,
                    help="TOML file: [tenants.NAME] api_keys = [...]; without it one open tenant 'default'")
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
+    g.add_argument("--audit-log", default=None, metavar="FILE",
+                   help="append one JSON line per generation request to FILE (tenant, status, safety layer, pages)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,6 +223,7 @@ def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
     from kvfence.router.app import create_app
     from kvfence.router.tenants import Tenants
     from kvfence.safety import Safety
+    from kvfence.tools.auditlog import AuditLog
 
     banner = Safety.from_env().banner()
     if banner:
@@ -232,7 +235,7 @@ def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
         print("kvfence: no --tenants file, so one open tenant 'default' takes any key. To require keys, write\n"
               '  [tenants.alice]\n  api_keys = ["sk-alice-..."]\nto tenants.toml and pass --tenants tenants.toml',
               file=sys.stderr)
-    app = create_app(engine, tokenizer, tenants)
+    app = create_app(engine, tokenizer, tenants, AuditLog(args.audit_log) if args.audit_log else None)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
 
     async def main() -> None:

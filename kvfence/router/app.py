@@ -14,7 +14,13 @@ Contracts:
 - When the client goes away, the engine iterator is not pulled again and is
   closed (``aclose``, shielded from cancellation), which aborts the request.
   An await on the engine that is in progress is cancelled.
-- Each request that gets as far as admission is logged once, when it ends.
+- Each generation request of an authenticated tenant ends in exactly one
+  ledger entry (log line, metrics, audit record), whether the model was
+  unknown, admission rejected it, the engine failed it, it finished, or the
+  client left (status 499).
+- A model an admin made private is, to every tenant not allowed, an unknown
+  model (404 ``model_not_found``). ``/admin`` is the admin API
+  (``router/admin.py``); ``GET /metrics`` serves Prometheus text without auth.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Annotated, Any, TypeVar
 
@@ -49,21 +55,32 @@ from kvfence.core import (
 )
 from kvfence.core import Request as EngineRequest
 from kvfence.engine.client import EngineClient
+from kvfence.router.admin import ManagedEngine, ModelAccess, admin_router, managed
+from kvfence.router.ledger import Ledger, RequestEnd
+from kvfence.router.metrics import CONTENT_TYPE, Metrics
 from kvfence.router.responses import DONE, Format, error_body, sse
 from kvfence.router.schemas import ChatCompletionRequest, CompletionRequest, GenerateBody
 from kvfence.router.tenants import Tenants
 from kvfence.safety import Safety
+from kvfence.tools.auditlog import AuditLog
 
 log = logging.getLogger("kvfence.router")
 T = TypeVar("T")
-CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only ever logged
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only logged and recorded, never sent
 
 
-def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants) -> FastAPI:
-    """The FastAPI app serving ``engine`` under the OpenAI API, keys checked by ``tenants``."""
-    server = OpenAIServer(engine, tokenizer)
+def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants, audit: AuditLog | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the OpenAI API, keys checked by ``tenants``.
+
+    Each generation request's end is appended to ``audit`` (default: no audit log).
+    """
+    engine = managed(engine)
+    metrics = Metrics(engine)
+    access = ModelAccess()
+    server = OpenAIServer(engine, tokenizer, access, Ledger(engine, metrics, audit or AuditLog.null()))
     app = FastAPI(title="kvfence", summary="Multi-tenant OpenAI-compatible LLM serving")
     app.state.tenants = tenants
+    app.include_router(admin_router(engine, access))
     app.add_middleware(InternalErrors)
     app.add_exception_handler(KvfenceError, _on_kvfence_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
@@ -75,22 +92,27 @@ def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants) -> FastAP
         body = {"status": "ok", **engine.health(), "safety_layers_off": Safety.from_env().disabled}
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text; no auth (labels name tenants, never keys)."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
-    async def list_models(_: Tenant) -> dict:
-        return {"object": "list", "data": [server.model_card()]}
+    async def list_models(tenant: Tenant) -> dict:
+        return {"object": "list", "data": server.model_cards(tenant)}
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str, _: Tenant) -> dict:
-        server.check_model(model_id)
+    async def get_model(model_id: str, tenant: Tenant) -> dict:
+        server.check_model(model_id, tenant)
         return server.model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request, tenant: Tenant) -> Response:
-        return await server.serve(http, await server.chat_job(body, tenant))
+        return await server.serve(http, Call(tenant, body, chat=True))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request, tenant: Tenant) -> Response:
-        return await server.serve(http, await server.completion_job(body, tenant))
+        return await server.serve(http, Call(tenant, body, chat=False))
 
     return app
 
@@ -108,28 +130,47 @@ Tenant = Annotated[str, Depends(_tenant_of)]
 
 
 @dataclass(frozen=True)
-class Job:
-    """A tokenized request of one tenant, not yet admitted."""
+class Call:
+    """One tenant's generation request as it arrived, before tokenizing."""
 
     tenant: str
-    prompt_ids: list[int]
     body: GenerateBody
     chat: bool
     rid: int = field(default_factory=new_request_id)
     created: int = field(default_factory=lambda: int(time.time()))
+    arrived: float = field(default_factory=time.monotonic)
 
     @property
     def param(self) -> str:
         """The field a length error points at."""
         return "messages" if self.chat else "prompt"
 
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    def end(self, model: str, prompt_tokens: int, max_tokens: int) -> RequestEnd:
+        """The ledger entry of this call, to be completed with its outcome."""
+        return RequestEnd(self.tenant, self.rid, self.body.model or model, self.endpoint, self.arrived,
+                          prompt_tokens, max_tokens)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A tokenized call, not yet admitted."""
+
+    call: Call
+    prompt_ids: list[int]
+
 
 class OpenAIServer:
     """Turns request bodies into engine requests and engine outputs into responses."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Any) -> None:
+    def __init__(self, engine: ManagedEngine, tokenizer: Any, access: ModelAccess, ledger: Ledger) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.access = access
+        self.ledger = ledger
         self.started = int(time.time())
         # Templating and tokenizing run off the event loop, one at a time: a huge prompt must not stall
         # other streams, and the tokenizer need not be thread-safe.
@@ -140,66 +181,77 @@ class OpenAIServer:
         return {"id": name, "object": "model", "created": self.started, "owned_by": "kvfence", "root": name,
                 "parent": None, "max_model_len": self.engine.max_context}
 
-    def check_model(self, model: str | None) -> None:
-        """``None`` (omitted) means the served model; anything else must name it."""
-        if model is not None and model != self.engine.model_name:
-            raise NotFound(f"The model `{model}` does not exist.", param="model")
+    def model_cards(self, tenant: str) -> list[dict]:
+        """The models ``tenant`` may use: the served one, unless it is private to others."""
+        return [self.model_card()] if self.access.visible(self.engine.model_name, tenant) else []
 
-    async def chat_job(self, body: ChatCompletionRequest, tenant: str) -> Job:
-        self.check_model(body.model)
-        body.check()
-        messages = [m.for_template() for m in body.messages]
-        text = await self._off_loop(self._render, messages)
-        return Job(tenant, await self._encode(text, "messages"), body, chat=True)
+    def check_model(self, model: str | None, tenant: str) -> None:
+        """``None`` (omitted) means the served model; anything else must name it. Either way ``tenant`` must be
+        allowed to use it, else it does not exist for them."""
+        name = self.engine.model_name
+        if (model is not None and model != name) or not self.access.visible(name, tenant):
+            raise NotFound(f"The model `{model or name}` does not exist.", param="model")
 
-    async def completion_job(self, body: CompletionRequest, tenant: str) -> Job:
-        self.check_model(body.model)
-        body.check()
-        if isinstance(body.prompt, str):
-            ids = await self._encode(body.prompt, "prompt")
-        else:
-            ids = self._checked_ids(body.prompt)
-        return Job(tenant, ids, body, chat=False)
+    async def serve(self, http: Request, call: Call) -> Response:
+        """Tokenize and admit ``call``, run it on the engine, and answer as JSON or as an SSE stream.
 
-    async def serve(self, http: Request, job: Job) -> Response:
-        """Admit ``job``, run it on the engine, and answer as JSON or as an SSE stream."""
+        A call that fails before the engine gets it ends in its ledger entry here; one that reaches the engine,
+        in ``Generation.close``.
+        """
+        job: Job | None = None
         try:
+            job = await self._job(call)
             request = self.admit(job)
         except KvfenceError as err:
-            log_request(job.tenant, job.rid, len(job.prompt_ids), 0, err.status)
+            prompt_tokens = len(job.prompt_ids) if job else 0
+            end = call.end(self.engine.model_name, prompt_tokens, self._max_tokens(call, prompt_tokens))
+            self.ledger.record(end.rejected(err))
             raise
-        fmt = Format.for_request(job.chat, job.rid, job.created, self.engine.model_name, job.body.include_usage)
-        gen = Generation(self.engine, request)
-        if job.body.stream:
+        fmt = Format.for_request(call.chat, call.rid, call.created, self.engine.model_name, call.body.include_usage)
+        gen = Generation(self.engine, request, call.end(self.engine.model_name, request.prompt_len,
+                                                        request.params.max_tokens), self.ledger)
+        if call.body.stream:
             return await self._stream(http, gen, fmt)
         return await self._complete(http, gen, fmt)
+
+    async def _job(self, call: Call) -> Job:
+        self.check_model(call.body.model, call.tenant)
+        call.body.check()
+        if isinstance(call.body, ChatCompletionRequest):
+            messages = [m.for_template() for m in call.body.messages]
+            text = await self._off_loop(self._render, messages)
+            return Job(call, await self._encode(text, "messages"))
+        assert isinstance(call.body, CompletionRequest)
+        if isinstance(call.body.prompt, str):
+            return Job(call, await self._encode(call.body.prompt, "prompt"))
+        return Job(call, self._checked_ids(call.body.prompt))
 
     def admit(self, job: Job) -> EngineRequest:
         """L1: settle ``max_tokens`` and reject what cannot fit the context, before any engine work.
 
         An omitted ``max_tokens`` means "up to the context limit", which needs at least one free token.
         """
+        call = job.call
         prompt_len, limit = len(job.prompt_ids), self.engine.max_context
         if prompt_len == 0:
-            raise InvalidRequest("The prompt is empty.", param=job.param)
-        requested = job.body.requested_max_tokens
-        max_tokens = requested if requested is not None else max(limit - prompt_len, 1)
+            raise InvalidRequest("The prompt is empty.", param=call.param)
+        max_tokens = self._max_tokens(call, prompt_len)
         if prompt_len + max_tokens > limit:
             err = ContextLengthExceeded(prompt_len, max_tokens, limit)
-            err.param = job.param
+            err.param = call.param
             raise err
-        return EngineRequest(job.prompt_ids, job.body.sampling_params(max_tokens), tenant=job.tenant, rid=job.rid)
+        return EngineRequest(job.prompt_ids, call.body.sampling_params(max_tokens), tenant=call.tenant, rid=call.rid)
 
     async def _complete(self, http: Request, gen: Generation, fmt: Format) -> Response:
         gone = False
         try:
             outs = await unless_disconnected(http.receive, gen.run_to_end)
-            gen.status = 200
+            gen.succeeded()
         except ClientGone:
             gone = True
             return Response(status_code=CLIENT_CLOSED)  # nobody reads it
-        except KvfenceError as err:
-            gen.status = err.status
+        except Exception as err:
+            gen.failed(err)
             raise
         finally:
             await gen.close(client_gone=gone)
@@ -213,10 +265,15 @@ class OpenAIServer:
             await gen.close(client_gone=True)
             return Response(status_code=CLIENT_CLOSED)
         except BaseException as err:
-            gen.status = err.status if isinstance(err, KvfenceError) else 500
+            gen.failed(err)
             await gen.close()
             raise
         return EventStream(_events(gen, fmt, first), on_close=gen.close)
+
+    def _max_tokens(self, call: Call, prompt_len: int) -> int:
+        """The request's ``max_tokens``, or when omitted "up to the context limit" (at least one)."""
+        requested = call.body.requested_max_tokens
+        return requested if requested is not None else max(self.engine.max_context - prompt_len, 1)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
@@ -249,7 +306,7 @@ class OpenAIServer:
 async def _events(gen: Generation, fmt: Format, first: RequestOutput) -> AsyncIterator[bytes]:
     """The SSE body: opening chunk, text deltas, finish chunk, usage chunk, ``[DONE]``.
 
-    Sets ``gen.status``; closing the engine iterator is ``EventStream``'s job.
+    Settles ``gen``'s outcome; closing the engine iterator is ``EventStream``'s job.
     """
     try:
         for chunk in fmt.opening():
@@ -264,13 +321,13 @@ async def _events(gen: Generation, fmt: Format, first: RequestOutput) -> AsyncIt
         yield sse(fmt.finish(out.finish_reason))
         if fmt.include_usage:
             yield sse(fmt.usage_chunk(*gen.usage()))
-        gen.status = 200
+        gen.succeeded()
     except KvfenceError as err:
-        gen.status = err.status
+        gen.failed(err)
         yield sse(err.to_body())
-    except Exception:
+    except Exception as err:
         log.exception("stream of rid=%032x failed", gen.request.rid)
-        gen.status = 500
+        gen.failed(err)
         yield sse(KvfenceError("Internal server error.").to_body())
     yield DONE
 
@@ -279,20 +336,24 @@ class Generation:
     """One request's engine iterator, consumed by exactly one handler.
 
     ``next`` returns the outputs in order and raises the engine's error as
-    ``KvfenceError``, whether the iterator raised it or an output carried it.
-    ``close`` closes the iterator (which aborts an unfinished request in the
-    engine) shielded from cancellation, and logs the request's line with
-    ``status``. It runs its effects once; later calls do nothing.
+    ``KvfenceError``, whether the iterator raised it or an output carried it;
+    it times the first token and each later one. Handlers settle the outcome
+    with ``succeeded`` or ``failed`` (unsettled, it is a 500). ``close``
+    closes the iterator (which aborts an unfinished request in the engine)
+    shielded from cancellation, and records the request's end in the ledger.
+    It runs its effects once; later calls do nothing.
     """
 
-    def __init__(self, engine: EngineClient, request: EngineRequest) -> None:
+    def __init__(self, engine: EngineClient, request: EngineRequest, end: RequestEnd, ledger: Ledger) -> None:
         self.request = request
         self.prompt_len = request.prompt_len  # as admitted; the engine may not change it
-        self.status = 500  # what is logged unless a handler settles it
+        self.end = end
+        self.ledger = ledger
         self._it = engine.generate(request)
         self._tokens = 0
         self._last: RequestOutput | None = None
         self._closed = False
+        self._started = self._token_at = time.monotonic()
 
     async def next(self) -> RequestOutput:
         try:
@@ -300,6 +361,7 @@ class Generation:
         except StopAsyncIteration:
             raise KvfenceError("The engine ended the request without finishing it.") from None
         self._check(out)
+        self._time(len(out.token_ids))
         self._tokens += len(out.token_ids)
         self._last = out
         return out
@@ -314,6 +376,15 @@ class Generation:
         """(prompt_tokens, completion_tokens): the admitted prompt; the engine's completion count, else ours."""
         return self.prompt_len, (self._last.completion_tokens if self._last else 0) or self._tokens
 
+    def succeeded(self) -> None:
+        self.end = replace(self.end, status=200)
+
+    def failed(self, err: BaseException) -> None:
+        """The request ends with ``err``; anything but a ``KvfenceError`` is an internal error."""
+        if not isinstance(err, KvfenceError):
+            err = KvfenceError("Internal server error.")
+        self.end = self.end.rejected(err)
+
     async def close(self, client_gone: bool = False) -> None:
         if self._closed:
             return
@@ -325,8 +396,18 @@ class Generation:
                     await aclose()
             except Exception:  # the engine's cleanup failed; the handler's own outcome still stands
                 log.exception("closing the engine iterator of rid=%032x failed", self.request.rid)
-        status = CLIENT_CLOSED if client_gone else self.status
-        log_request(self.request.tenant, self.request.rid, self.prompt_len, self.usage()[1], status)
+        end = replace(self.end, output_tokens=self.usage()[1], last=self._last)
+        self.ledger.record(replace(end, status=CLIENT_CLOSED, error=None) if client_gone else end)
+
+    def _time(self, tokens: int) -> None:
+        if not tokens:
+            return
+        now = time.monotonic()
+        if self._tokens == 0:
+            self.ledger.metrics.first_token(now - self._started)
+        else:
+            self.ledger.metrics.later_tokens(now - self._token_at, tokens)
+        self._token_at = now
 
     def _check(self, out: RequestOutput) -> None:
         if out.error is not None:
@@ -339,12 +420,6 @@ class Generation:
             # The engine computed another prompt than the one admitted (the incident's 1-token placeholder).
             raise IntegrityError(f"The engine reported {out.prompt_tokens} prompt tokens for a "
                                  f"{self.prompt_len}-token prompt.")
-
-
-def log_request(tenant: str, rid: int, prompt_tokens: int, completion_tokens: int, status: int) -> None:
-    """The one line per finished request."""
-    log.info("request tenant=%s rid=%032x prompt_tokens=%d completion_tokens=%d status=%d",
-             tenant, rid, prompt_tokens, completion_tokens, status)
 
 
 # -- disconnects ---------------------------------------------------------------

@@ -3,6 +3,10 @@
 Everything runs on the asyncio loop of the HTTP server, so the core needs no
 locks: HTTP handlers call ``generate``; one task receives worker messages;
 one task watches heartbeats and declares silent workers dead.
+
+Admin controls: ``worker_table`` and ``set_drained`` (drained workers get no
+new request); ``route(rid)`` names the (prefill, decode) pair a recent
+request was sent to, for the audit log.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from collections.abc import AsyncIterator
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.protocol.actions import Action, Deliver, Send
 from kvfence.protocol.messages import Hello, Output
-from kvfence.protocol.router import RouterCore
+from kvfence.protocol.router import RouterCore, WorkerInfo
+from kvfence.router.admin import RecentRoutes
 from kvfence.safety import Safety
 from kvfence.workers.channel import Channel
 
@@ -35,6 +40,7 @@ class RemoteEngine:
         self.expected_workers = expected_workers
         self._sinks: dict[int, asyncio.Queue] = {}
         self.assigned: dict[str, int] = {}  # requests sent to each worker since start
+        self._routes = RecentRoutes()
         self._last_seen: dict[str, float] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -47,9 +53,7 @@ class RemoteEngine:
         finished = False
         try:
             self._do(self.core.submit(request))
-            pair = self.core.reqs.get(request.rid)
-            for worker in (pair.prefill, pair.decode) if pair else ():
-                self.assigned[worker] = self.assigned.get(worker, 0) + 1
+            self._note_route(request.rid)
             while not finished:
                 out: RequestOutput = await sink.get()
                 if out.error is not None:
@@ -63,14 +67,55 @@ class RemoteEngine:
                 self._do(self.core.client_gone(request.rid))
 
     def health(self) -> dict:
-        workers = {w: {"role": i.hello.role, "pid": i.hello.pid, "in_flight": i.in_flight,
-                       "assigned": self.assigned.get(w, 0), "free_pages": i.hello.free_pages,
-                       "running": i.hello.running, "pool_tokens": i.hello.pool_tokens,
-                       "max_context": i.hello.max_context} for w, i in self.core.workers.items()}
+        """Status, in-flight figures (``transfers_in_flight``: requests in their handoff) and each worker's."""
+        workers = {w: self._worker_health(i) for w, i in self.core.workers.items()}
         ready = sum(1 for i in self.core.workers.values() if i.hello.role == "decode") and \
             sum(1 for i in self.core.workers.values() if i.hello.role == "prefill")
         return {"status": "ok" if ready else "waiting for workers", "mode": "disaggregated",
-                "max_context": self.max_context, "in_flight": len(self.core.reqs), "workers": workers}
+                "max_context": self.max_context, "in_flight": len(self.core.reqs),
+                "transfers_in_flight": self.core.in_handoff(), "workers": workers}
+
+    def _worker_health(self, info: WorkerInfo) -> dict:
+        h = info.hello
+        return {"role": h.role, "pid": h.pid, "in_flight": info.in_flight, "assigned": self.assigned.get(h.worker, 0),
+                "free_pages": h.free_pages, "total_pages": h.total_pages, "quarantined_pages": h.quarantined_pages,
+                "running": h.running, "pool_tokens": h.pool_tokens, "max_context": h.max_context,
+                "drained": h.worker in self.core.drained}
+
+    # -- admin ----------------------------------------------------------------------
+
+    def worker_table(self) -> list[dict]:
+        """Live workers and drained ones that are gone (``live`` false), ordered by id."""
+        ids = sorted(set(self.core.workers) | self.core.drained)
+        return [self._table_entry(w) for w in ids]
+
+    def _table_entry(self, worker: str) -> dict:
+        info = self.core.workers.get(worker)
+        if info is None:
+            return {"id": worker, "role": None, "drained": True, "live": False}
+        return {"id": worker, "live": True, **self._worker_health(info)}
+
+    def set_drained(self, worker: str, drained: bool) -> None:
+        """Take ``worker`` out of rotation (kept across its restarts) or put it back; ``KeyError`` if unknown."""
+        if worker not in self.core.workers and worker not in self.core.drained:
+            raise KeyError(worker)
+        if drained:
+            self.core.drained.add(worker)
+        else:
+            self.core.drained.discard(worker)
+
+    def route(self, rid: int) -> tuple[str, str] | None:
+        """The (prefill, decode) pair a recent request was sent to; ``None`` if it was never sent."""
+        return self._routes.get(rid)
+
+    def _note_route(self, rid: int) -> None:
+        """Count a request just sent against both workers of its pair, and remember the pair."""
+        pair = self.core.reqs.get(rid)
+        if pair is None:
+            return
+        for worker in (pair.prefill, pair.decode):
+            self.assigned[worker] = self.assigned.get(worker, 0) + 1
+        self._routes.add(rid, pair.prefill, pair.decode)
 
     # -- plumbing -----------------------------------------------------------------
 

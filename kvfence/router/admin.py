@@ -1,0 +1,232 @@
+"""The admin API: private models and drained workers, for holders of an ``[admin]`` key.
+
+Routes (all under ``/admin``, ``Authorization: Bearer <admin key>``; 401 without a valid key, 403 for a tenant's
+key; errors in OpenAI's format):
+
+- ``GET /admin/models``; ``POST /admin/models/{model}/private`` with an optional body ``{"tenants": [...]}``
+  naming the tenants still allowed; ``POST /admin/models/{model}/public``.
+- ``GET /admin/workers``; ``POST /admin/workers/{worker}/drain`` and ``.../undrain``, where ``worker`` is a
+  worker id (URL-encoded: ids are ZeroMQ addresses) or its ``index`` in ``GET /admin/workers``.
+
+Contracts:
+
+- A private model is, to every tenant not allowed, exactly an unknown model: 404 ``model_not_found``, and
+  absent from ``/v1/models``.
+- A drained worker gets no new request; requests it already has finish normally. With every worker of a role
+  drained (colocated: the one engine), a new request gets 503.
+- Every change is logged with the admin's name, never the key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Protocol, runtime_checkable
+
+from fastapi import APIRouter, Body, Depends, Header, Request
+from pydantic import BaseModel, ConfigDict
+
+from kvfence.core import InvalidRequest, NotFound, RequestOutput, ServiceUnavailable
+from kvfence.core import Request as EngineRequest
+from kvfence.engine.client import EngineClient
+from kvfence.router.tenants import Tenants
+
+log = logging.getLogger("kvfence.admin")
+LOCAL_WORKER = "local"  # the id of a colocated engine in GET /admin/workers
+ROUTES_KEPT = 65536
+
+
+class ModelAccess:
+    """Which tenants may use which model. A model not made private is open to every tenant."""
+
+    def __init__(self) -> None:
+        self._private: dict[str, frozenset[str]] = {}  # model -> the tenants still allowed
+
+    def visible(self, model: str, tenant: str) -> bool:
+        allowed = self._private.get(model)
+        return allowed is None or tenant in allowed
+
+    def make_private(self, model: str, allowed: frozenset[str]) -> None:
+        self._private[model] = allowed
+
+    def make_public(self, model: str) -> None:
+        self._private.pop(model, None)
+
+    def describe(self, model: str) -> dict:
+        """``tenants``: the tenants allowed, or ``None`` when the model is public."""
+        allowed = self._private.get(model)
+        return {"id": model, "private": allowed is not None, "tenants": None if allowed is None else sorted(allowed)}
+
+
+@runtime_checkable
+class ManagedEngine(EngineClient, Protocol):
+    """An engine whose workers can be listed and drained, and that says where each request ran."""
+
+    def worker_table(self) -> list[dict]:
+        """One entry per worker, ordered by ``id``: at least ``id``, ``role`` and ``drained``."""
+        ...
+
+    def set_drained(self, worker: str, drained: bool) -> None:
+        """Take ``worker`` out of rotation or put it back; ``KeyError`` if it is unknown."""
+        ...
+
+    def route(self, rid: int) -> tuple[str, str] | None:
+        """The (prefill, decode) workers a recent request was sent to; ``None`` if it never reached one."""
+        ...
+
+
+class RecentRoutes:
+    """The routes of the last ``ROUTES_KEPT`` requests: bounded, whoever forgets to look them up."""
+
+    def __init__(self) -> None:
+        self._routes: OrderedDict[int, tuple[str, str]] = OrderedDict()
+
+    def add(self, rid: int, prefill: str, decode: str) -> None:
+        self._routes[rid] = (prefill, decode)
+        if len(self._routes) > ROUTES_KEPT:
+            self._routes.popitem(last=False)
+
+    def get(self, rid: int) -> tuple[str, str] | None:
+        return self._routes.get(rid)
+
+
+class Colocated:
+    """A one-engine client (colocated) as a ``ManagedEngine``, with the one worker ``local``.
+
+    Drained, every new request gets 503 before the engine sees it; otherwise ``generate`` is the engine's own
+    iterator. A request the engine saw ran on (``local``, ``local``).
+    """
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self.drained = False
+        self._routes = RecentRoutes()
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        if self.drained:
+            return _refused(ServiceUnavailable("The engine is drained; try again later."))
+        self._routes.add(request.rid, LOCAL_WORKER, LOCAL_WORKER)
+        return self.engine.generate(request)
+
+    def health(self) -> dict:
+        return self.engine.health()
+
+    def worker_table(self) -> list[dict]:
+        return [{"id": LOCAL_WORKER, "role": "colocated", "drained": self.drained}]
+
+    def set_drained(self, worker: str, drained: bool) -> None:
+        if worker != LOCAL_WORKER:
+            raise KeyError(worker)
+        self.drained = drained
+
+    def route(self, rid: int) -> tuple[str, str] | None:
+        return self._routes.get(rid)
+
+
+async def _refused(err: ServiceUnavailable) -> AsyncIterator[RequestOutput]:
+    """An engine iterator that raises ``err`` before any output."""
+    raise err
+    yield  # an async generator
+
+
+def managed(engine: EngineClient) -> ManagedEngine:
+    """``engine`` itself if it is a ``ManagedEngine`` (disaggregated), else ``Colocated(engine)``."""
+    return engine if isinstance(engine, ManagedEngine) else Colocated(engine)
+
+
+class PrivateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenants: list[str] = []
+
+
+def admin_router(engine: ManagedEngine, access: ModelAccess) -> APIRouter:
+    """The ``/admin`` routes over ``engine``'s workers and the ``access`` rules of its model."""
+    router = APIRouter(prefix="/admin")
+
+    @router.get("/models")
+    async def list_models(_: Admin) -> dict:
+        return {"object": "list", "data": [access.describe(engine.model_name)]}
+
+    @router.post("/models/{model:path}/private")
+    async def make_private(model: str, http: Request, admin: Admin,
+                           body: Annotated[PrivateBody | None, Body()] = None) -> dict:
+        _check_model(engine, model)
+        allowed = frozenset((body or PrivateBody()).tenants)
+        _check_tenants(http.app.state.tenants, allowed)
+        access.make_private(model, allowed)
+        log.info("admin %s made model %s private (allowed tenants: %s)", admin, model,
+                 ", ".join(sorted(allowed)) or "none")
+        return access.describe(model)
+
+    @router.post("/models/{model:path}/public")
+    async def make_public(model: str, admin: Admin) -> dict:
+        _check_model(engine, model)
+        access.make_public(model)
+        log.info("admin %s made model %s public", admin, model)
+        return access.describe(model)
+
+    @router.get("/workers")
+    async def list_workers(_: Admin) -> dict:
+        return {"object": "list", "data": _indexed(engine.worker_table())}
+
+    @router.post("/workers/{worker:path}/drain")
+    async def drain(worker: str, admin: Admin) -> dict:
+        return _set_drained(engine, worker, True, admin)
+
+    @router.post("/workers/{worker:path}/undrain")
+    async def undrain(worker: str, admin: Admin) -> dict:
+        return _set_drained(engine, worker, False, admin)
+
+    return router
+
+
+async def _admin_of(http: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+    tenants: Tenants = http.app.state.tenants
+    return tenants.authenticate_admin(authorization)
+
+
+Admin = Annotated[str, Depends(_admin_of)]
+
+
+def _check_model(engine: EngineClient, model: str) -> None:
+    if model != engine.model_name:
+        raise NotFound(f"The model `{model}` does not exist.", param="model")
+
+
+def _check_tenants(tenants: Tenants, allowed: frozenset[str]) -> None:
+    unknown = sorted(allowed - set(tenants.names))
+    if unknown:
+        raise InvalidRequest(f"Unknown tenants: {', '.join(unknown)}.", param="tenants")
+
+
+def _indexed(table: list[dict]) -> list[dict[str, Any]]:
+    return [{"index": i, **entry} for i, entry in enumerate(table)]
+
+
+def _resolve(engine: ManagedEngine, ref: str) -> str:
+    """A worker id from an id or an index into ``GET /admin/workers``; 404 when neither names a worker."""
+    ids = [entry["id"] for entry in engine.worker_table()]
+    if ref.isdigit() and int(ref) < len(ids):
+        return ids[int(ref)]
+    if ref in ids:
+        return ref
+    raise NotFound(f"No worker `{ref}`; see GET /admin/workers.", param="worker", code="worker_not_found")
+
+
+def _set_drained(engine: ManagedEngine, ref: str, drained: bool, admin: str) -> dict:
+    """Drain or undrain; the worker's new entry (a gone worker, once undrained, has left the table)."""
+    worker = _resolve(engine, ref)
+    engine.set_drained(worker, drained)
+    log.info("admin %s %s worker %s", admin, "drained" if drained else "undrained", worker)
+    entries = [e for e in _indexed(engine.worker_table()) if e["id"] == worker]
+    return entries[0] if entries else {"id": worker, "drained": drained, "live": False}

@@ -1,0 +1,113 @@
+"""Prometheus metrics of one app, served at ``GET /metrics`` (no auth; labels carry tenant names, never keys).
+
+Counters and histograms are updated as requests run (``request_ended``, ``first_token``, ``later_tokens``);
+KV pool gauges and transfers in flight are read from the engine's ``health()`` at scrape time. Each app has its
+own ``CollectorRegistry``, so several apps in one process do not clash.
+
+Metrics:
+
+- ``kvfence_requests_total{tenant,status}``: requests that ended, by HTTP status (499: the client left).
+- ``kvfence_rejections_total{layer,reason}``: requests that ended with an error; ``layer`` is the deciding safety
+  layer (``none`` if no layer decided), ``reason`` the OpenAI error code (else its type).
+- ``kvfence_kv_verification_failures_total{layer}``: rejections by the tags, coverage or checksum layer.
+- ``kvfence_output_tokens_total{tenant}``: tokens generated.
+- ``kvfence_time_to_first_token_seconds``, ``kvfence_time_per_output_token_seconds``: histograms, measured at
+  the router from admission.
+- ``kvfence_kv_pages_total{worker,role}``, ``kvfence_kv_pages_in_use{worker,role}``,
+  ``kvfence_kv_pages_quarantined{worker,role}``: each worker's KV pool, from its latest heartbeat.
+- ``kvfence_kv_transfers_in_flight``: requests sent to a prefill/decode pair whose KV has not yet landed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvfence.core import KvfenceError
+from kvfence.engine.client import EngineClient
+from kvfence.router.admin import LOCAL_WORKER
+
+VERIFICATION_LAYERS = ("tags", "coverage", "checksum")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """The app's registry and the request-level instruments."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvfence_requests", "Requests that ended, by tenant and HTTP status.",
+                                ["tenant", "status"], registry=r)
+        self.rejections = Counter("kvfence_rejections", "Requests that ended with an error, by deciding safety "
+                                  "layer and error code.", ["layer", "reason"], registry=r)
+        self.verification_failures = Counter("kvfence_kv_verification_failures", "Requests failed by KV "
+                                             "verification (tags, coverage, checksum).", ["layer"], registry=r)
+        self.output_tokens = Counter("kvfence_output_tokens", "Tokens generated.", ["tenant"], registry=r)
+        self.ttft = Histogram("kvfence_time_to_first_token_seconds", "From admission to the first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvfence_time_per_output_token_seconds", "Between tokens after the first.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        r.register(EngineCollector(engine))
+
+    def request_ended(self, tenant: str, status: int, error: KvfenceError | None, output_tokens: int) -> None:
+        self.requests.labels(tenant, str(status)).inc()
+        self.output_tokens.labels(tenant).inc(output_tokens)
+        if error is None:
+            return
+        layer = error.layer or "none"
+        self.rejections.labels(layer, error.code or error.type).inc()
+        if layer in VERIFICATION_LAYERS:
+            self.verification_failures.labels(layer).inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def later_tokens(self, seconds: float, tokens: int) -> None:
+        """``tokens`` arrived together ``seconds`` after the previous ones: each took ``seconds / tokens``."""
+        for _ in range(tokens):
+            self.tpot.observe(seconds / tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """KV pool gauges per worker and transfers in flight, read from ``engine.health()`` at each scrape.
+
+    Disaggregated health lists ``workers`` with ``total_pages``, ``free_pages`` and ``quarantined_pages``;
+    colocated health has ``kv_pages_total`` and ``kv_pages_free`` for its one engine (worker ``local``).
+    """
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        health = self.engine.health()
+        labels = ["worker", "role"]
+        total = GaugeMetricFamily("kvfence_kv_pages_total", "KV pool pages.", labels=labels)
+        in_use = GaugeMetricFamily("kvfence_kv_pages_in_use", "KV pool pages granted to requests.", labels=labels)
+        quarantined = GaugeMetricFamily("kvfence_kv_pages_quarantined", "KV pool pages kept out of use until a "
+                                        "write that may still land is known to have ended.", labels=labels)
+        for worker, role, pages in _pools(health):
+            n_total, n_free, n_quarantined = pages
+            total.add_metric([worker, role], n_total)
+            in_use.add_metric([worker, role], n_total - n_free - n_quarantined)
+            quarantined.add_metric([worker, role], n_quarantined)
+        yield from (total, in_use, quarantined)
+        yield GaugeMetricFamily("kvfence_kv_transfers_in_flight", "Requests whose KV transfer has not yet ended.",
+                                value=health.get("transfers_in_flight", 0))
+
+
+def _pools(health: dict) -> Iterator[tuple[str, str, tuple[int, int, int]]]:
+    """(worker, role, (total, free, quarantined)) for each pool ``health`` describes."""
+    if "kv_pages_total" in health:
+        pages = (health["kv_pages_total"], health["kv_pages_free"], health.get("kv_pages_quarantined", 0))
+        yield LOCAL_WORKER, "colocated", pages
+    for worker, info in health.get("workers", {}).items():
+        if info.get("total_pages"):  # 0: a worker from before heartbeats carried pool sizes
+            yield worker, info["role"], (info["total_pages"], info["free_pages"], info["quarantined_pages"])
