@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.mode == "colocated":
         return serve_colocated(args)
+    from kvfence.tools.audit import refuse_to_start_unless_fits
     from kvfence.workers.supervisor import Supervisor, free_tcp_address
 
     name, tokenizer, max_context = describe(args)
@@ -113,6 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     workers = []
     for role, count, role_pool in (("prefill", args.prefill, args.prefill_pool_tokens),
                                    ("decode", args.decode, args.decode_pool_tokens)):
+        refuse_to_start_unless_fits(role, role_pool or pool, args.page_size, max_context)
         workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, role_pool or pool)
                     for _ in range(count)]
     engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers))
@@ -133,11 +135,13 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from kvfence.model.loader import describe_model
+    from kvfence.tools.audit import refuse_to_start_unless_fits
     from kvfence.workers.supervisor import run_worker
 
     max_context = served_context(args, describe_model(args.model)[1].max_context)
-    settings = worker_settings(args, args.role, args.bind, args.router, max_context,
-                               args.kv_pool_tokens or 4 * max_context, advertise=args.advertise)
+    pool = args.kv_pool_tokens or 4 * max_context
+    refuse_to_start_unless_fits(args.role, pool, args.page_size, max_context)
+    settings = worker_settings(args, args.role, args.bind, args.router, max_context, pool, advertise=args.advertise)
     run_worker(settings, supervised=False)
     return 0
 
@@ -146,8 +150,10 @@ def serve_colocated(args: argparse.Namespace) -> int:
     from kvfence.config import EngineConfig
     from kvfence.engine.engine import Engine
     from kvfence.engine.local import LocalEngine
+    from kvfence.tools.audit import refuse_to_start_unless_fits
 
     loaded, max_context = load(args)
+    refuse_to_start_unless_fits("colocated", args.kv_pool_tokens or 4 * max_context, args.page_size, max_context)
     config = EngineConfig(max_context=max_context, kv_pool_tokens=args.kv_pool_tokens or 4 * max_context,
                           page_size=args.page_size, max_batch=args.max_batch, chunk_size=args.chunk_size)
     engine = Engine(loaded.model, loaded.tokenizer, config, dtype_of(args), args.device)

@@ -198,9 +198,11 @@ def test_prefill_rejects_prompt_over_its_pool_before_compute():
     assert out[0].msg.error.message.startswith("This model's maximum prefill KV pool is 4 tokens")
 
 
-def test_prefill_incident_emulation_sends_a_placeholder_when_layers_are_off():
+def test_prefill_incident_emulation_rejects_yet_sends_a_placeholder():
+    """As in the incident: the router hears the rejection, yet a 1-token placeholder is computed and "completed"."""
     core = prefill_core(safety=unsafe("all"), incident=True, pool=4)
-    core.handle(R, prefill(6), now=0)
+    [reject] = core.handle(R, prefill(6), now=0)
+    assert reject.to == R and reject.msg.error.code == "context_length_exceeded"
     assert core.handle(D, Dest(RID, [(0, 1), (1, 1)], 6), now=0) == [StartPrefill(RID, [0], [(0, 1), (1, 1)], D)]
 
 

@@ -65,7 +65,7 @@ class Engine:
             raise InvalidRequest("duplicate request id")
         seq = Sequence(req, make_generator(req.params))
         self.seqs[req.rid] = seq
-        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.config.max_context)
+        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit)
         self.scheduler.add(seq)
 
     def add_prefilled(self, req: Request, grants: list[PageGrant], first_token: int) -> RequestOutput:
@@ -78,7 +78,7 @@ class Engine:
         seq.num_computed = req.prompt_len
         seq.stamped = len(grants)  # prefill wrote these tag records, checked on landing
         self.seqs[req.rid] = seq
-        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.config.max_context)
+        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit)
         self.scheduler.running.append(seq)
         out = self.trackers[req.rid].append(first_token)
         if out.finished:

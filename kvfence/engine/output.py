@@ -14,6 +14,7 @@ class OutputTracker:
     """
 
     def __init__(self, req: Request, tokenizer: Tokenizer, max_context: int) -> None:
+        """``max_context``: the most tokens (prompt + output) the request may reach; it ends there ("length")."""
         self.req = req
         self.eos = frozenset() if req.params.ignore_eos else tokenizer.eos_token_ids
         self.detok = IncrementalDetokenizer(tokenizer)

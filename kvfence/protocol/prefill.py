@@ -12,7 +12,9 @@ Contracts:
 - Done, Fail and AbortAck are each sent only when no write for the request
   is in flight or will be issued (with L6 on).
 - An over-length prompt is rejected before compute and before any write (L1):
-  Reject to the router and Fail to decode, so decode frees its pages.
+  Reject to the router and Fail to decode, so decode frees its pages. Under
+  ``emulate_incident`` (test-only) it is rejected to the router but a 1-token
+  placeholder still runs and reports Done, as in DESIGN section 1.
 - A Dest whose expected length differs from the real prompt is refused (L4).
 - An Abort or Dest for a request this worker does not know is answered at
   once (AbortAck, or Fail after a grace period), so decode never waits in vain.
@@ -131,19 +133,21 @@ class PrefillCore:
         req = self.reqs.get(msg.rid)
         if req is not None and req.msg is not None:
             return []  # duplicate
+        actions: list[Action] = []
         err = self._admission_error(msg)
-        if err is not None:
-            if self.emulate_incident and not self.safety.admission:
-                # The incident: a 1-token placeholder that still "completes" its transfer.
-                msg = msgspec.structs.replace(msg, prompt_ids=[0])
-            elif self.safety.admission:
-                self.reqs.pop(msg.rid, None)
-                return [self._reject(msg.rid, err), Send(msg.decode, Fail(msg.rid, ErrorInfo.of(err)))]
+        if err is not None and self.emulate_incident:
+            # The incident (DESIGN section 1): the request is rejected, yet a 1-token placeholder is still
+            # computed and its transfer reported complete, into pages decode granted for the whole prompt.
+            actions.append(self._reject(msg.rid, err))
+            msg = msgspec.structs.replace(msg, prompt_ids=[0])
+        elif err is not None and self.safety.admission:
+            self.reqs.pop(msg.rid, None)
+            return [self._reject(msg.rid, err), Send(msg.decode, Fail(msg.rid, ErrorInfo.of(err)))]
         if req is None:
             self.reqs[msg.rid] = PrefillReq(msg.rid, msg.decode, msg, deadline=now + self.limits.dest_timeout)
-            return []
+            return actions
         req.msg = msg
-        return self._start(req)
+        return actions + self._start(req)
 
     def _admission_error(self, msg: Prefill) -> KvfenceError | None:
         n = len(msg.prompt_ids)

@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 from kvfence.config import ModelConfig
 from kvfence.core import KvfenceError
 from kvfence.kvcache.layout import TAG_BYTES, KVLayout
+from kvfence.safety import Safety
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}  # the KV dtypes of ``kvfence serve --dtype``
 ROLE_POOL_FLAGS = {"prefill": "--prefill-pool-tokens", "decode": "--decode-pool-tokens"}
@@ -74,6 +75,20 @@ def preflight(role: str, usable_pool_tokens: int, max_context: int, *, page_size
     ``usable_pool_tokens``) holds ``max_context`` tokens. ``page_size`` only rounds the fix it suggests."""
     if usable_pool_tokens < max_context:
         raise PreflightError(role, usable_pool_tokens, max_context, page_size)
+
+
+def refuse_to_start_unless_fits(role: str, pool_tokens: int, page_size: int, max_context: int) -> None:
+    """L0 at start: exit with status 2 and the fix when a ``role`` node's pool cannot hold ``max_context``.
+
+    With ``KVFENCE_UNSAFE=preflight`` the node starts anyway and only warns.
+    """
+    try:
+        preflight(role, usable_pool_tokens(pool_tokens, page_size), max_context, page_size=page_size)
+    except PreflightError as err:
+        if Safety.from_env().preflight:
+            print(f"kvfence: {err.message}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"kvfence: WARNING (preflight off): {err.message}", file=sys.stderr)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ class DecodeWorker(WorkerBase):
 
     def hello(self) -> Hello:
         sched, pages = self._engine.scheduler, self._engine.pages
-        return Hello(self.me, self.role, self.me, self.target.descriptor(), self.settings.pool_tokens,
+        data = {**self.target.descriptor(), "kv_pages": pages.num_pages}  # prefill needs it to place tags
+        return Hello(self.me, self.role, self.me, data, self.settings.pool_tokens,
                      self.settings.max_context, free_pages=pages.num_free,
                      queued_tokens=len(self.core.waiting), running=len(sched.running), pid=os.getpid(),
                      quarantined_pages=pages.num_quarantined, total_pages=pages.num_pages)

@@ -12,12 +12,12 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvfence.core import KvfenceError, Request, ServiceUnavailable
 from kvfence.engine.engine import Engine
 from kvfence.engine.scheduler import Sequence, Work
-from kvfence.kvcache.layout import TAG_BYTES, tokens_per_page, transfer_checksum
+from kvfence.kvcache.layout import TAG_BYTES, KVLayout, tokens_per_page, transfer_checksum
 from kvfence.protocol.actions import Action, StartPrefill, StopPrefill
 from kvfence.protocol.messages import Hello, Peers, WorkerDown
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
@@ -33,6 +33,7 @@ class Shipment:
 
     start: StartPrefill
     peer: object
+    dest: KVLayout  # the decode pool's layout (its tag records follow its own pages)
     shipped: int = 0  # pages sent so far
     sums: list[int] = field(default_factory=list)
     futures: list[Future] = field(default_factory=list)
@@ -58,9 +59,14 @@ class PrefillRunner(Engine):
         self.shipments: dict[int, Shipment] = {}
         self.draining: dict[int, Sequence] = {}
 
-    def start(self, start: StartPrefill, req: Request, peer: object) -> None:
+    @property
+    def token_limit(self) -> int:
+        """A prompt may fill the whole pool: prefill stores the prompt's KV, never the sampled token's."""
+        return min(self.config.max_context, self.config.num_pages * self.config.page_size) + 1
+
+    def start(self, start: StartPrefill, req: Request, peer: object, dest: KVLayout) -> None:
         self.add(req)
-        self.shipments[req.rid] = Shipment(start, peer)
+        self.shipments[req.rid] = Shipment(start, peer, dest)
 
     def stop(self, rid: int) -> None:
         """Stop computing ``rid``; it is reported by ``finished`` once its writes have drained."""
@@ -118,8 +124,8 @@ class PrefillRunner(Engine):
             checksum = region.page_checksum(src, tokens)
             region.write_tag(src, seq.rid, epoch, dst, tokens, checksum)
             ship.sums.append(checksum)
-            segments += [(layout.page_offset(src), layout.page_offset(dst), tokens * layout.token_bytes),
-                         (layout.tag_offset(src), layout.tag_offset(dst), TAG_BYTES)]
+            segments += [(layout.page_offset(src), ship.dest.page_offset(dst), tokens * layout.token_bytes),
+                         (layout.tag_offset(src), ship.dest.tag_offset(dst), TAG_BYTES)]
         ship.shipped = upto
         ship.futures.append(self.initiator.submit(ship.peer, _merge(segments)))
 
@@ -207,14 +213,24 @@ class PrefillWorker(WorkerBase):
         request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid)
         try:
             descriptor = self.decodes[start.decode]
+            dest = dest_layout(self.runner.pool.layout, descriptor)
             peer = self.initiator.connect(descriptor)
-            self.runner.start(start, request, peer)
+            self.runner.start(start, request, peer, dest)
         except KvfenceError as err:
             return self.core.compute_failed(start.rid, err)
         except Exception as exc:  # unknown decode, or its data plane unreachable
             log.warning("request %032x: cannot reach decode %s: %s", start.rid, start.decode, exc)
             return self.core.compute_failed(start.rid, ServiceUnavailable(f"decode worker unreachable: {exc}"))
         return []
+
+
+def dest_layout(local: KVLayout, descriptor: dict) -> KVLayout:
+    """The layout of the decode pool ``descriptor`` names: ours, with its page count; its size must agree."""
+    dest = replace(local, num_pages=int(descriptor["kv_pages"]))
+    if dest.nbytes != int(descriptor["nbytes"]):
+        raise ServiceUnavailable(f"decode KV region is {descriptor['nbytes']} bytes, {dest.nbytes} expected: "
+                                 "prefill and decode must serve the same model, dtype and page size")
+    return dest
 
 
 def main(settings: WorkerSettings) -> None:
