@@ -12,7 +12,7 @@ import torch
 
 from kvfence.config import ModelConfig
 from kvfence.kvcache.pool import KVPool
-from kvfence.model import invariant
+from kvfence.model import invariant, kernels
 from kvfence.model.llama import Model, SeqChunk
 from kvfence.model.loader import _unpermute_rope, load_model, smollm2_gguf_path
 from tests.tiny_models import ARCHS, greedy, smollm2, tiny_model_dir
@@ -325,3 +325,65 @@ def test_row_block_plans_cover_the_rows():
         assert sum(n for n, _ in plan) == rows
         assert all(n == call for n, call in plan[:-1])  # only the last block is padded
         assert all(call in blocks.big or blocks.min_rows <= call <= blocks.small_max for _, call in plan)
+
+
+def check_decode_groups(loaded, lengths: dict[int, int]) -> None:
+    """Decodes of equal length share one attention call. Each row equals that sequence decoded alone, whatever
+    the group size (1 to all), its place in the group, the order of the chunks, and other groups or a prefill
+    chunk in the same call. ``lengths``: context length -> number of sequences of that length."""
+    model, tok = loaded.model, loaded.tokenizer
+    text = tok.encode(varied_text(6000, seed=11))
+    total = sum(-(-(n + 1) // 16) * count for n, count in lengths.items()) + 8
+    pool, pages = KVPool(loaded.config, total, 16, model.dtype), iter(range(total))
+    seqs, offset = [], 0
+    for n, count in lengths.items():
+        for _ in range(count):
+            seqs.append((text[offset : offset + n], [next(pages) for _ in range(-(-(n + 1) // 16))]))
+            offset += 7  # overlapping but distinct prompts
+    for ctx, page_ids in seqs:
+        model.forward([SeqChunk(ctx, 0, page_ids)], pool)
+    steps = [SeqChunk([100 + i], len(ctx), page_ids) for i, (ctx, page_ids) in enumerate(seqs)]
+    alone = torch.cat([model.forward([s], pool) for s in steps])  # rewriting a step's K/V writes the same bits
+    other = SeqChunk(text[3000:3040], 0, [next(pages) for _ in range(3)])  # a prefill chunk as a neighbour
+    n = len(steps)
+    batches = {
+        "all": list(range(n)),
+        "all, reversed": list(range(n))[::-1],
+        "pairs": [0, 1],
+        "first half": list(range(n // 2)),
+        "interleaved lengths": sorted(range(n), key=lambda i: (i % 3, i)),
+        "every third": list(range(0, n, 3)),
+    }
+    for where, idx in batches.items():
+        got = model.forward([steps[i] for i in idx], pool)
+        assert torch.equal(got, alone[idx]), where
+        h = len(idx) // 2
+        got = model.forward([steps[i] for i in idx[:h]] + [other] + [steps[i] for i in idx[h:]], pool)
+        assert torch.equal(torch.cat([got[:h], got[h + 1 :]]), alone[idx]), where + " + prefill"
+
+
+def test_decode_groups_bf16(bf16):
+    check_decode_groups(bf16, {150: 16, 37: 8, 530: 4, 1: 2})  # 530 > 512, the CPU kernel's key block
+
+
+def test_decode_groups_fp32(f32):
+    check_decode_groups(f32, {60: 8, 37: 5, 1: 2})
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no decode kernel here (needs a C compiler and AVX512-BF16)")
+@pytest.mark.parametrize("amx", [False, True])
+def test_decode_gemm_rows_do_not_depend_on_the_call(amx):
+    """Every row of the decode kernel equals that row computed alone, for any M and offset (model shapes, the
+    kernel's tail paths, and rows whose result exposes any change of summation order), and is a correct product."""
+    if amx and not kernels._library().amx:
+        pytest.skip("no AMX on this machine")
+    for n, k in [(960, 576), (576, 1536), (49152, 576), (80, 32), (20, 40)]:
+        w, x = invariant._probe(n, k, 70, torch.bfloat16, "cpu")
+        x = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(n)).bfloat16()  # distinct rows
+        alone = torch.cat([kernels.gemm(x[i : i + 1], w, amx=amx) for i in range(70)])
+        for a, b in [(0, 70), (0, 2), (3, 7), (5, 37), (15, 17), (16, 48), (1, 64)]:
+            assert torch.equal(kernels.gemm(x[a:b], w, amx=amx), alone[a:b]), (n, k, a, b)
+        x = torch.randn(x.shape, generator=torch.Generator().manual_seed(k)).bfloat16()  # no cancellation
+        ref = x.float() @ w.float().t()
+        err = (kernels.gemm(x, w, amx=amx).float() - ref).abs()
+        assert (err <= 2**-8 * ref.abs() + 1e-4 * ref.abs().max()).all(), (n, k)  # bf16 rounding of the result

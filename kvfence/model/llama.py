@@ -1,12 +1,16 @@
 """Llama-family forward (Llama, Qwen2, Qwen3) over the paged KV pool.
 
 One ``forward`` runs a step for several sequences at once: every chunk's tokens are concatenated into ``[T, hidden]``
-for the linear layers, each chunk's new K/V is written to its own slots, and attention runs per sequence over the
-positions [0, start_pos + n) of that sequence only.
+for the linear layers, each chunk's new K/V is written to its own slots, and attention runs over the positions
+[0, start_pos + n) of each sequence only. Decode chunks (one token) whose sequences have the same length share one
+attention call (a batch of sequences, no padding); longer chunks get a call each.
 
 Batch invariance: a chunk's logits are bit-identical whatever other chunks share the call. Linear layers run in
 row blocks of calibrated sizes (``invariant.py``), norms and activations are row-wise, and attention never mixes
-sequences, so nothing a row computes depends on its neighbours or its position in the batch.
+sequences: a batched decode call computes each sequence as its own (batch, head) problem, with the same shapes
+(one query per head, the same key length) as when that sequence is alone, which the tests check bit for bit.
+Nothing a row computes depends on its neighbours or its position in the batch, so the forward is free to reorder
+chunks (decode groups first) and restores the caller's order in the logits.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvfence.config import ModelConfig
 from kvfence.kvcache.pool import KVPool
-from kvfence.model import invariant
+from kvfence.model import invariant, kernels
 
 log = logging.getLogger(__name__)
 
@@ -48,27 +53,38 @@ class Layer:
 
 
 @dataclass
-class _Seq:
-    q0: int  # rows [q0, q1) of the batch are this chunk's queries
+class _Attn:
+    """One attention call: batch rows [q0, q1) attend over rows [k0, k1) of the gathered K/V.
+
+    ``group`` > 0: a decode group, ``group`` sequences of one query each and the same length ``(k1 - k0) / group``.
+    Otherwise one chunk of ``q1 - q0`` queries of one sequence whose positions [0, start_pos + n) are [k0, k1).
+    """
+
+    q0: int
     q1: int
-    k0: int  # rows [k0, k1) of the gathered K/V are this sequence's positions [0, start_pos + n)
+    k0: int
     k1: int
-    mask: torch.Tensor | None  # [n, S] bool, bottom-right causal; None when is_causal or a single query
+    group: int
+    mask: torch.Tensor | None  # [n, S] bool, bottom-right causal; None when causal or a single query
     causal: bool
 
 
 @dataclass
 class _Batch:
-    """Per-forward index tensors, built once and reused by every layer."""
+    """Per-forward index tensors, built once and reused by every layer. Rows are in processing order (decode
+    groups first); ``out_rows`` picks the logits rows in the caller's order."""
 
     tokens: torch.Tensor  # [T]
     cos: torch.Tensor  # [T, 1, D]
     sin: torch.Tensor  # [T, 1, D], sign of the first half flipped (rotate_half folded in)
-    kv_slots: torch.Tensor  # [num_slots, layers, 2, KV, D]: the pool viewed slot by slot
+    kv_layers: tuple[torch.Tensor, ...]  # per layer [num_slots, 2, KV, D]: views of the pool, slot by slot
     write_slots: torch.Tensor  # [T] pool slots of the new tokens
     read_slots: torch.Tensor  # [S_total] pool slots of every sequence's positions, sequence after sequence
-    seqs: list[_Seq]
-    last_rows: torch.Tensor  # [B] row of each chunk's last token
+    attn: list[_Attn]
+    decode_rows: int  # rows [0, decode_rows) are decode chunks (one token each), and so are the first logits rows
+    last_rows: torch.Tensor  # [B] row of each chunk's last token, in processing order
+    chunk_order: torch.Tensor | None  # [B] logits rows (of last_rows) in the caller's order; None: the same
+    token_order: torch.Tensor | None  # [T] logits rows (of all rows) in the caller's order; None: the same
 
 
 class Model:
@@ -83,6 +99,8 @@ class Model:
         self.cos, self.sin = _rope_tables(config, self.dtype, self.device)  # [max_context, D] each
         self._blocks: dict[tuple[int, ...], invariant.RowBlocks] = {}
         self._threads = -1
+        self._pool_views: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
+        self.decode_gemm = self.dtype == torch.bfloat16 and self.device.type == "cpu" and kernels.available()
         self.calibrate()
 
     @classmethod
@@ -123,8 +141,22 @@ class Model:
             time.perf_counter() - t0,
         )
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = invariant.matmul(x, w, self._blocks[tuple(w.shape)])  # [T, N]
+    def _linear(
+        self, x: torch.Tensor, w: torch.Tensor, d: int, bias: torch.Tensor | None = None, blocks=None
+    ) -> torch.Tensor:
+        """``x [T, K] @ w.T`` (+ bias) -> ``[T, N]``. With ``decode_gemm``, rows [0, d) (decode chunks) go through
+        the row-independent kernel, the rest through calibrated row blocks; either way no row depends on the others.
+        """
+        blocks = blocks or self._blocks[tuple(w.shape)]
+        if not (self.decode_gemm and d):
+            y = invariant.matmul(x, w, blocks)  # [T, N]
+        else:
+            if d == x.shape[0]:
+                y = kernels.gemm(x, w)
+            else:
+                y = x.new_empty(x.shape[0], w.shape[0])
+                kernels.gemm(x[:d], w, y[:d])
+                y[d:] = invariant.matmul(x[d:], w, blocks)
         return y if bias is None else y + bias
 
     # -- forward ----------------------------------------------------------------------------------------------
@@ -140,48 +172,69 @@ class Model:
             self.calibrate()
         with torch.inference_mode():
             b = self._batch(chunks, pool)
-            x = self.embed[b.tokens]  # [T, hidden]
+            x = self.embed[b.tokens]  # [T, hidden], a new tensor: updated in place below
             for i, layer in enumerate(self.layers):
-                x = x + self._attention(i, layer, self._rms_norm(x, layer.attn_norm), b, pool)
-                x = x + self._mlp(layer, self._rms_norm(x, layer.mlp_norm))
-            h = x if all_logits else x[b.last_rows]  # [T or B, hidden]
-            h = self._rms_norm(h, self.norm)
-            return invariant.matmul(h, self.lm_head, self._head_blocks).float()  # [T or B, vocab]
+                x += self._attention(layer, self._rms_norm(x, layer.attn_norm), b, b.kv_layers[i])
+                x += self._mlp(layer, self._rms_norm(x, layer.mlp_norm), b.decode_rows)
+            h = self._rms_norm(x if all_logits else x[b.last_rows], self.norm)  # [T or B, hidden]
+            logits = self._linear(h, self.lm_head, b.decode_rows, blocks=self._head_blocks)  # [T or B, vocab]
+            order = b.token_order if all_logits else b.chunk_order
+            return (logits if order is None else logits[order]).float()
 
     __call__ = forward
 
-    def _attention(self, i: int, layer: Layer, x: torch.Tensor, b: _Batch, pool: KVPool) -> torch.Tensor:
+    def _attention(self, layer: Layer, x: torch.Tensor, b: _Batch, slots: torch.Tensor) -> torch.Tensor:
         cfg, T = self.config, x.shape[0]
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self._linear(x, layer.qkv, layer.qkv_bias).view(T, H + 2 * KV, D)  # [T, H + 2 KV, D]
-        qk, v = qkv[:, : H + KV], qkv[:, H + KV :]  # [T, H + KV, D], [T, KV, D]
+        qkv = self._linear(x, layer.qkv, b.decode_rows, layer.qkv_bias).view(T, H + 2 * KV, D)  # [T, H + 2 KV, D]
+        qk = qkv[:, : H + KV]  # [T, H + KV, D], a view of qkv
         if layer.qk_norm is not None:
-            qk = self._rms_norm(qk, layer.qk_norm)
-        qk = qk * b.cos + qk.roll(D // 2, dims=-1) * b.sin  # rotary, HF rotate_half convention
-        q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, KV, D]
-        slots = b.kv_slots[:, i]  # [num_slots, 2, KV, D], a view of the pool
-        slots.index_copy_(0, b.write_slots, torch.stack((k, v), dim=1))  # new tokens' K/V into their slots
+            qkv[:, : H + KV] = self._rms_norm(qk, layer.qk_norm)
+        rot = qk.roll(D // 2, dims=-1).mul_(b.sin)  # rotary, HF rotate_half convention, in place in qkv
+        qk.mul_(b.cos).add_(rot)
+        slots.index_copy_(0, b.write_slots, qkv[:, H:].view(T, 2, KV, D))  # new tokens' K/V into their slots
         kv = slots.index_select(0, b.read_slots)  # [S_total, 2, KV, D]
-        # 4-D views (the 3-D form misses the fused CPU kernel), sliced per sequence below
-        q4 = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-        k4 = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, KV, S_total, D]
-        v4 = kv[:, 1].transpose(0, 1).unsqueeze(0)  # [1, KV, S_total, D]
-        out = x.new_empty(T, H, D)
-        o4 = out.transpose(0, 1).unsqueeze(0)  # [1, H, T, D], a view of out
-        for s in b.seqs:  # one sequence at a time: attention never mixes sequences
-            o4[:, :, s.q0 : s.q1] = F.scaled_dot_product_attention(
-                q4[:, :, s.q0 : s.q1],  # [1, H, n, D]
-                k4[:, :, s.k0 : s.k1],  # [1, KV, S, D]
-                v4[:, :, s.k0 : s.k1],
-                attn_mask=s.mask,
-                is_causal=s.causal,
-                enable_gqa=True,
-            )  # [1, H, n, D]
-        return self._linear(out.view(T, H * D), layer.o)  # [T, hidden]
+        q = qkv[:, :H]  # [T, H, D]
+        if len(b.attn) == 1 and b.attn[0].group:  # all decode, one length: the output is the attention result
+            out = self._decode_attention(q, kv, b.attn[0])  # [T, H D]
+        else:
+            out = x.new_empty(T, H * D)
+            for a in b.attn:
+                if a.group:
+                    out[a.q0 : a.q1] = self._decode_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a)
+                else:
+                    out[a.q0 : a.q1] = self._chunk_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a)
+        return self._linear(out, layer.o, b.decode_rows)  # [T, hidden]
 
-    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, F] each
-        return self._linear(F.silu(gate) * up, layer.down)  # [T, hidden]
+    def _decode_attention(self, q: torch.Tensor, kv: torch.Tensor, a: _Attn) -> torch.Tensor:
+        """``group`` sequences, one query each, all ``S`` long, in one call -> ``[group, H D]``. The G = H / KV query
+        heads that share a K/V head are that call's G queries (no causal mask: all sit at the last position)."""
+        cfg, n = self.config, a.group
+        KV, D = cfg.num_kv_heads, cfg.head_dim
+        kv = kv.view(n, -1, 2, KV, D)  # [n, S, 2, KV, D]
+        out = F.scaled_dot_product_attention(
+            q.view(n, KV, -1, D),  # [n, KV, G, D]
+            kv[:, :, 0].transpose(1, 2),  # [n, KV, S, D]
+            kv[:, :, 1].transpose(1, 2),
+        )  # [n, KV, G, D]
+        return out.view(n, -1)
+
+    def _chunk_attention(self, q: torch.Tensor, kv: torch.Tensor, a: _Attn) -> torch.Tensor:
+        """One chunk of n queries over its sequence's S positions -> ``[n, H D]``."""
+        # 4-D views (the 3-D form misses the fused CPU kernel)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+            kv[:, 0].transpose(0, 1).unsqueeze(0),  # [1, KV, S, D]
+            kv[:, 1].transpose(0, 1).unsqueeze(0),
+            attn_mask=a.mask,
+            is_causal=a.causal,
+            enable_gqa=True,
+        )  # [1, H, n, D]
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+    def _mlp(self, layer: Layer, x: torch.Tensor, d: int) -> torch.Tensor:
+        gate, up = self._linear(x, layer.gate_up, d).chunk(2, dim=-1)  # [T, F] each
+        return self._linear(F.silu(gate).mul_(up), layer.down, d)  # [T, hidden]
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """HF LlamaRMSNorm: normalize in float32, round to the model dtype, then scale (same ops, bit for bit)."""
@@ -190,29 +243,73 @@ class Model:
     def _batch(self, chunks: list[SeqChunk], pool: KVPool) -> _Batch:
         if not chunks:
             raise ValueError("forward needs at least one chunk")
-        tokens, positions, reads, seqs = [], [], [], []
-        q0 = k0 = 0
         for c in chunks:
-            n, end = len(c.token_ids), c.start_pos + len(c.token_ids)
             self._check(c, pool)
+        groups: dict[int, list[int]] = {}  # decode chunks by sequence length
+        longer = []
+        for i, c in enumerate(chunks):
+            if len(c.token_ids) == 1:
+                groups.setdefault(c.start_pos + 1, []).append(i)
+            else:
+                longer.append(i)
+        order = [i for g in groups.values() for i in g] + longer  # processing order
+        ps = pool.page_size
+        tokens, positions, reads, writes, attn = [], [], [], [], []
+        first_row = [0] * len(chunks)
+        q0 = k0 = 0
+        for members in groups.values():
+            end = chunks[members[0]].start_pos + 1
+            for i in members:
+                c, first_row[i] = chunks[i], len(tokens)
+                tokens.append(c.token_ids[0])
+                positions.append(np.arange(end - 1, end))
+                reads.append(_slots(c.page_ids, end, ps))
+                writes.append(reads[-1][-1:])
+            n = len(members)
+            attn.append(_Attn(q0, q0 + n, k0, k0 + n * end, n, None, False))
+            q0, k0 = q0 + n, k0 + n * end
+        for i in longer:
+            c = chunks[i]
+            n, end = len(c.token_ids), c.start_pos + len(c.token_ids)
+            first_row[i] = q0
             tokens.extend(c.token_ids)
-            positions.append(torch.arange(c.start_pos, end))
-            reads.append(_slots(c.page_ids, end, pool.page_size))
-            seqs.append(_Seq(q0, q0 + n, k0, k0 + end, _causal_mask(n, end, self.device), c.start_pos == 0 and n > 1))
+            positions.append(np.arange(c.start_pos, end))
+            reads.append(_slots(c.page_ids, end, ps))
+            writes.append(reads[-1][c.start_pos :])
+            attn.append(_Attn(q0, q0 + n, k0, k0 + end, 0, _causal_mask(n, end, self.device), c.start_pos == 0))
             q0, k0 = q0 + n, k0 + end
-        read_slots = torch.cat(reads).to(self.device)
-        pos = torch.cat(positions).to(self.device)
-        write_slots = torch.cat([r[s.k1 - s.k0 - (s.q1 - s.q0) :] for r, s in zip(reads, seqs, strict=True)]).to(
-            self.device
-        )
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         if int(ids.max()) >= self.config.vocab_size or int(ids.min()) < 0:
             raise ValueError("token id out of range")
-        last = torch.tensor([s.q1 - 1 for s in seqs], device=self.device)
-        kv_slots = pool.data.view(-1, *pool.data.shape[2:])  # [num_pages * page_size, layers, 2, KV, D]
+        pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        sizes = [len(c.token_ids) for c in chunks]
+        last = torch.tensor([first_row[i] + sizes[i] - 1 for i in order], device=self.device)
+        chunk_order = token_order = None
+        if order != list(range(len(chunks))):
+            chunk_order = torch.from_numpy(np.argsort(order)).to(self.device)
+            rows = np.concatenate([np.arange(first_row[i], first_row[i] + sizes[i]) for i in range(len(chunks))])
+            token_order = torch.from_numpy(rows).to(self.device)
         return _Batch(
-            ids, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1), kv_slots, write_slots, read_slots, seqs, last
+            tokens=ids,
+            cos=self.cos[pos].unsqueeze(1),
+            sin=self.sin[pos].unsqueeze(1),
+            kv_layers=self._pool_layers(pool),
+            write_slots=torch.from_numpy(np.concatenate(writes)).to(self.device),
+            read_slots=torch.from_numpy(np.concatenate(reads)).to(self.device),
+            attn=attn,
+            decode_rows=sum(len(g) for g in groups.values()),
+            last_rows=last,
+            chunk_order=chunk_order,
+            token_order=token_order,
         )
+
+    def _pool_layers(self, pool: KVPool) -> tuple[torch.Tensor, ...]:
+        """Per layer, the pool viewed slot by slot ``[num_pages * page_size, 2, KV, D]`` (cached per pool)."""
+        key = (pool.data.data_ptr(), tuple(pool.data.shape))
+        if self._pool_views is None or self._pool_views[0] != key:
+            slots = pool.data.view(-1, *pool.data.shape[2:])  # [num_slots, layers, 2, KV, D]
+            self._pool_views = (key, slots.unbind(1))
+        return self._pool_views[1]
 
     def _check(self, c: SeqChunk, pool: KVPool) -> None:
         """A chunk is non-empty, fits the context, and its pages (in the pool) cover its positions."""
@@ -224,10 +321,10 @@ class Model:
             raise ValueError(f"page id out of range (pool has {pool.num_pages} pages)")
 
 
-def _slots(page_ids: list[int], end: int, page_size: int) -> torch.Tensor:
+def _slots(page_ids: list[int], end: int, page_size: int) -> np.ndarray:
     """Pool slots of positions [0, end) of a sequence holding ``page_ids``: page * page_size + offset."""
-    pages = torch.tensor(page_ids[: -(-end // page_size)], dtype=torch.long)
-    return (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:end]
+    pages = np.asarray(page_ids[: -(-end // page_size)], dtype=np.int64)
+    return (pages[:, None] * page_size + np.arange(page_size)).ravel()[:end]
 
 
 def _causal_mask(n: int, end: int, device: torch.device) -> torch.Tensor | None:

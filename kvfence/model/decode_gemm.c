@@ -1,0 +1,195 @@
+/* Row-independent bf16 matmul for decode rows: y[m, n] = sum_k x[m, k] * w[n, k] (fp32 accumulation, bf16 out).
+ *
+ * Every output element goes through the same instructions in the same order whatever M, N, the register block it
+ * falls in, or the thread that computes it: 16 fp32 lanes accumulate k in slices of 32 (vdpbf16ps, k ascending,
+ * the last slice masked), then one fixed-order lane sum (``sum16``), then round to nearest even. So row m of y is a function of
+ * row m of x and w only: batch-invariant by construction, not by calibration.
+ *
+ * Threads split N (contiguous ranges of weight rows, each streamed once); within a range, blocks of 16 weight rows
+ * stay in L1/L2 while every x row passes over them (4 x rows by 4 weight rows at a time, then single rows). Built by kernels.py with
+ * -O3 -mavx512f -mavx512bw -mavx512bf16 -fopenmp; sharing torch's libgomp (same soname) keeps one thread pool.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline __m512bh load_bh(const uint16_t *p, __mmask32 mask) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+/* r[l] = sum of the 16 lanes of v[l], for 16 accumulators at once. Every v[l] goes through the same additions
+ * whatever its slot l: ((c0 + c1) + (c2 + c3)) over its 128-bit chunks, each chunk ((x0 + x2) + (x1 + x3)). */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 t[8], u[4], w0, w1;
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xee));
+    w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
+}
+
+/* acc[i * NB + j] += x row i . w row j over k in [0, K): slices of 32, ascending, the last one masked. MB and NB
+ * are constants at every call site (MB * NB <= 16) and the loops unroll, so acc stays in registers. */
+#define UNROLL _Pragma("GCC unroll 16")
+#define DOT(MB, NB)                                                                                              \
+    static inline void dot_##MB##x##NB(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,         \
+                                       int64_t K, __m512 *out) {                                                 \
+        __m512 acc[MB * NB];                                                                                     \
+        UNROLL for (int i = 0; i < MB * NB; i++) acc[i] = _mm512_setzero_ps();                                   \
+        for (int64_t k = 0; k < K; k += 32) {                                                                    \
+            __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);           \
+            __m512bh wv[NB];                                                                                     \
+            UNROLL for (int j = 0; j < NB; j++) wv[j] = load_bh(w + j * ldw + k, mask);                          \
+            UNROLL for (int i = 0; i < MB; i++) {                                                                \
+                __m512bh xv = load_bh(x + i * ldx + k, mask);                                                    \
+                UNROLL for (int j = 0; j < NB; j++) acc[i * NB + j] = _mm512_dpbf16_ps(acc[i * NB + j], xv, wv[j]); \
+            }                                                                                                    \
+        }                                                                                                        \
+        UNROLL for (int i = 0; i < MB * NB; i++) out[i] = acc[i];                                                \
+    }
+
+DOT(4, 4)
+DOT(1, 16)
+DOT(1, 1)
+
+/* 16 results, rows of ``rows`` values each, to y (row stride ldy), rounded to bf16 (nearest even). */
+static inline void store(__m512 r, int rows, int64_t cols, uint16_t *y, int64_t ldy) {
+    uint16_t tmp[16];
+    _mm256_storeu_si256((__m256i *)tmp, (__m256i)_mm512_cvtneps_pbh(r));
+    for (int i = 0; i < rows; i++) memcpy(y + i * ldy, tmp + i * cols, cols * sizeof(uint16_t));
+}
+
+void kvf_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *y, int64_t ldy,
+                   int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t nblocks = N / 16;
+#pragma omp parallel num_threads(nthreads)
+    {
+        __m512 acc[16];
+#pragma omp for schedule(static) nowait
+        for (int64_t nb = 0; nb < nblocks; nb++) { /* 16 weight rows, every x row */
+            const int64_t n = nb * 16;
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4)
+                for (int j = 0; j < 16; j += 4) {
+                    dot_4x4(x + m * ldx, ldx, w + (n + j) * ldw, ldw, K, acc);
+                    store(sum16(acc), 4, 4, y + m * ldy + n + j, ldy);
+                }
+            for (; m < M; m++) {
+                dot_1x16(x + m * ldx, ldx, w + n * ldw, ldw, K, acc);
+                store(sum16(acc), 1, 16, y + m * ldy + n, ldy);
+            }
+        }
+#pragma omp single
+        for (int64_t n = nblocks * 16; n < N; n++) /* the last N % 16 weight rows, one element at a time */
+            for (int64_t m = 0; m < M; m++) {
+                for (int i = 1; i < 16; i++) acc[i] = _mm512_setzero_ps();
+                dot_1x1(x + m * ldx, ldx, w + n * ldw, ldw, K, acc);
+                store(sum16(acc), 1, 1, y + m * ldy + n, ldy);
+            }
+    }
+}
+
+/* ---- AMX: the same product on tiles, for any M at tile speed ------------------------------------------------
+ *
+ * y^T = w x^T: w's rows are the A tiles as they lie in memory (16 weight rows x 32 k), x^T is packed into the B
+ * tile layout (k pairs x 16 columns of x rows, zero-padded to 16). Element (m, n) accumulates its k in slices of 32
+ * (one TDPBF16PS each, k ascending) in the C tile, then rounds to bf16: the same steps whatever column m sits in,
+ * how many rows are real, or which thread runs it (checked by the tests, bit for bit).
+ */
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
+
+int kvf_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* C tile (16 weight rows x 16 x rows, fp32) -> y[m][n0 .. n0 + 16] for the ``rows`` real x rows. */
+static inline void store_tile(const float *c, int rows, uint16_t *y, int64_t ldy) {
+    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    for (int m = 0; m < rows; m++) {
+        __m512 v = _mm512_i32gather_ps(col, c + m, 4);
+        _mm256_storeu_si256((__m256i *)(y + m * ldy), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+#define AMX_GROUP(NB)                                                                                            \
+    static inline void amx_group_##NB(const uint16_t *xp, const uint16_t *w, int64_t ldw, int64_t K, float *c,   \
+                                      const char *pf, int64_t pf_lines) {                                        \
+        _tile_zero(0);                                                                                           \
+        if (NB > 1) { _tile_zero(1); _tile_zero(2); _tile_zero(3); }                                         \
+        for (int64_t k = 0; k < K; k += 32) {                                                                    \
+            for (int64_t l = 0; l < pf_lines; l++) _mm_prefetch(pf + (k / 32 * pf_lines + l) * 64, _MM_HINT_T0); \
+            _tile_loadd(4, xp + k * 16, 64);                                                                     \
+            _tile_loadd(5, w + k, ldw * 2);                                                                      \
+            _tile_dpbf16ps(0, 5, 4);                                                                             \
+            if (NB > 1) {                                                                                        \
+                _tile_loadd(6, w + 16 * ldw + k, ldw * 2);                                                       \
+                _tile_dpbf16ps(1, 6, 4);                                                                         \
+                _tile_loadd(5, w + 32 * ldw + k, ldw * 2);                                                       \
+                _tile_dpbf16ps(2, 5, 4);                                                                         \
+                _tile_loadd(6, w + 48 * ldw + k, ldw * 2);                                                       \
+                _tile_dpbf16ps(3, 6, 4);                                                                         \
+            }                                                                                                    \
+        }                                                                                                        \
+        _tile_stored(0, c, 64);                                                                                  \
+        if (NB > 1) { _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64); } \
+    }
+
+AMX_GROUP(4)
+AMX_GROUP(1)
+
+/* Needs K % 32 == 0 and N % 16 == 0 (the caller checks); x rows may have any stride ldx. */
+void kvf_gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *y, int64_t ldy,
+                  int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t mblocks = (M + 15) / 16, groups4 = N / 64, groups = groups4 + (N % 64) / 16;
+    uint32_t *xp = aligned_alloc(64, mblocks * K * 32);  /* per m block: [K / 2 pairs][16 rows] of bf16 pairs */
+    memset(xp, 0, mblocks * K * 32);
+    for (int64_t m = 0; m < M; m++) {
+        const uint32_t *row = (const uint32_t *)(x + m * ldx);
+        uint32_t *dst = xp + (m / 16) * K * 8 + m % 16;
+        for (int64_t p = 0; p < K / 2; p++) dst[p * 16] = row[p];
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        float c[4 * 256] __attribute__((aligned(64)));
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int nb = g < groups4 ? 4 : 1;
+            const int64_t n0 = g < groups4 ? g * 64 : groups4 * 64 + (g - groups4) * 16;
+            for (int64_t mb = 0; mb < mblocks; mb++) {
+                const uint16_t *xb = (const uint16_t *)(xp + mb * K * 8);
+                /* the first pass over a group streams the next group's weights into cache, K / 32 parts */
+                const char *pf = (const char *)(w + (n0 + 16 * nb) * ldw);
+                const int64_t pf_lines = mb == 0 && g + 1 < groups && PREFETCH ? (64 * ldw * 2 / 64) / (K / 32) + 1 : 0;
+                if (nb == 4) amx_group_4(xb, w + n0 * ldw, ldw, K, c, pf, pf_lines);
+                else amx_group_1(xb, w + n0 * ldw, ldw, K, c, pf, pf_lines);
+                const int rows = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
+                for (int j = 0; j < nb; j++) store_tile(c + j * 256, rows, y + mb * 16 * ldy + n0 + 16 * j, ldy);
+            }
+        }
+        _tile_release();
+    }
+    free(xp);
+}
