@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_parser(sub)
     from kvfence.tools.cli import add_audit_parsers
     add_audit_parsers(sub)
+    from kvfence.tools.probe import add_probe_parser
+    add_probe_parser(sub)
     return parser
 
 

@@ -1,0 +1,739 @@
+"""``kvfence probe``: a black-box canary leak tester for any OpenAI-compatible server (DESIGN section 6).
+
+Every ``--key`` but the last is a canary (victim) tenant; the last key is the attacker tenant.
+
+- Victims send chats carrying fresh codes ("Repeat exactly: the secret code is ZEBRA-4471."), alone or after a
+  long document whose every sentence names the code, sized to fill the smallest KV pool learned.
+- The attacker sends over-length prompts at and around every limit learned (context and KV pools): limit - 1,
+  limit, limit + 1, 2 x limit, and prompt + max_tokens just over the context; plus normal prompts.
+- Findings: a response holding another tenant's code or a fragment of its request (``leak``); an over-length
+  request answered 200 (``wrong status``) or 5xx (``wrong status class``); a greedy output under load that
+  differs from the same prompt's output alone (``incoherent``).
+
+The first part (prompts, sizes, findings, report) is pure and unit-tested; ``Prober`` drives it over HTTP.
+Exit status: 0 nothing found, 1 findings, 2 usage or connection error, 3 cannot conclude.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import re
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+
+import httpx
+
+from kvfence.tools.audit import UsageError, server_nodes
+
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
+# Code words: unlikely in the attacker's sea story or the normal prompts' answers (no colours, no sea life).
+WORDS = ("ZEBRA", "QUARTZ", "MANGO", "VIOLIN", "TULIP", "COBALT", "JAGUAR", "PRISM", "CACTUS", "WAFFLE", "GECKO",
+         "BISON", "KIWI", "LYNX", "NUTMEG", "ORCHID", "PEPPER", "QUILL", "SAFFRON", "TOPAZ", "YODEL", "ZINC",
+         "BANJO", "FALAFEL", "IGLOO", "JUNIPER", "KOALA", "LLAMA", "MARZIPAN", "NOODLE", "OCELOT", "PANDA",
+         "RADISH", "SPHINX", "TAPIR", "WOMBAT", "YETI", "ZUCCHINI", "ALPACA", "BAGEL")
+# Every victim document sentence repeats its code; these phrases are shared by all victims' documents.
+DOCUMENT_SENTENCE = ("The {code} file: the quarterly report covers logistics, staffing and budgets for the northern "
+                     "region.")
+DOCUMENT_FRAGMENTS = ("quarterly report", "northern region", "logistics, staffing")
+SECRET = "secret code"
+# The attacker's filler: common words that are one token each in usual BPE vocabularies (checked by calibration).
+ATTACK_WORDS = "tell me a story about the sea and the old man who kept the light on the hill by the bay".split()
+NORMAL_PROMPTS = ("What is the capital of France?", "Count from one to five.", "Name three primary colors.")
+CALIBRATION_WORDS = (20, 40, 80)  # attacker filler lengths measured to learn the token count per word
+
+
+# -- tenants and canaries ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One API key, named ``key1``, ``key2``, ... in the order given."""
+
+    label: str
+    key: str
+
+    @property
+    def masked(self) -> str:
+        """The key with its middle hidden, for reports: ``sk-a…ce``."""
+        return self.key if len(self.key) <= 6 else f"{self.key[:4]}…{self.key[-2:]}"
+
+
+@dataclass(frozen=True)
+class Canary:
+    """A fresh secret ``WORD-NNNN`` owned by ``tenant``."""
+
+    tenant: str
+    word: str
+    digits: str
+
+    @property
+    def code(self) -> str:
+        return f"{self.word}-{self.digits}"
+
+    @property
+    def sentence(self) -> str:
+        return f"Repeat exactly: the {SECRET} is {self.code}."
+
+
+def new_canary(tenant: str, rng: random.Random, used_words: Iterable[str] = ()) -> Canary:
+    """A canary for ``tenant`` with a word not in ``used_words`` (while any is left) and digits 2100..9999
+    (no likely years)."""
+    used = set(used_words)
+    fresh = [w for w in WORDS if w not in used] or list(WORDS)
+    return Canary(tenant, rng.choice(fresh), str(rng.randint(2100, 9999)))
+
+
+def victim_document(canary: Canary, chars: int) -> str:
+    """``DOCUMENT_SENTENCE`` for ``canary`` repeated, cut to at most ``chars`` characters at a word end."""
+    sentence = DOCUMENT_SENTENCE.format(code=canary.code)
+    text = " ".join([sentence] * (chars // len(sentence) + 1))[:chars]
+    return text if len(text) < chars else text.rsplit(" ", 1)[0]
+
+
+def canary_prompt(canary: Canary, document_chars: int) -> str:
+    """The victim's message: its document of about ``document_chars`` characters (none for 0), then its
+    "Repeat exactly" sentence."""
+    document = victim_document(canary, document_chars) if document_chars > 0 else ""
+    return f"{document}\n{canary.sentence}" if document else canary.sentence
+
+
+def attack_text(words: int) -> str:
+    """The attacker's filler: ``ATTACK_WORDS`` repeated, ``words`` words long."""
+    return " ".join(ATTACK_WORDS[i % len(ATTACK_WORDS)] for i in range(words))
+
+
+# -- token counts ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenModel:
+    """Prompt tokens of an attacker chat of ``w`` filler words: ``overhead + per_word * w``.
+
+    ``exact`` when a third measurement fell on the line and ``per_word`` is 1: then every count is exact.
+    """
+
+    overhead: float
+    per_word: float
+    exact: bool
+
+    def tokens(self, words: int) -> int:
+        return round(self.overhead + self.per_word * words)
+
+    def words_for(self, tokens: int) -> int:
+        """Filler words for a chat of ``tokens`` prompt tokens (at least 1)."""
+        return max(1, round((tokens - self.overhead) / self.per_word))
+
+
+def fit_token_model(measured: list[tuple[int, int]]) -> TokenModel:
+    """The line through the first and last ``(words, tokens)`` measurements; exact when every measurement is
+    on it and one word is one token."""
+    (w0, t0), (w1, t1) = measured[0], measured[-1]
+    per_word = (t1 - t0) / (w1 - w0)
+    model = TokenModel(t0 - per_word * w0, per_word, False)
+    exact = per_word == 1 and all(model.tokens(w) == t for w, t in measured)
+    return TokenModel(model.overhead, per_word, exact)
+
+
+def document_chars_for(tokens: int, sample_chars: int, sample_tokens: int, overhead: float) -> int:
+    """Document characters for a victim chat of about ``tokens`` prompt tokens, scaled from a sample chat whose
+    document of ``sample_chars`` characters made ``sample_tokens`` tokens; ``overhead``: tokens of a chat
+    without a document."""
+    chars_per_token = sample_chars / max(1.0, sample_tokens - overhead)
+    return max(0, int((tokens - overhead) * chars_per_token))
+
+
+# -- limits and targets --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server told: ``context`` (prompt + max_tokens) and KV ``pools`` by name ("prefill pool (id)")."""
+
+    context: int | None
+    pools: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def smallest(self) -> int | None:
+        """The smallest limit learned, or ``None`` when none was."""
+        found = [*self.pools.values(), *([self.context] if self.context else [])]
+        return min(found) if found else None
+
+
+@dataclass(frozen=True)
+class Target:
+    """An attacker prompt of ``tokens`` prompt tokens; ``label`` says which limit it probes."""
+
+    label: str
+    tokens: int
+
+
+def must_reject(prompt_tokens: int, max_tokens: int, limits: Limits) -> str | None:
+    """Why a request of ``prompt_tokens`` + ``max_tokens`` exceeds ``limits`` (then only a 4xx is right), or
+    ``None``. A prefill pool must hold the prompt; the context and any other pool, prompt + max_tokens."""
+    total = prompt_tokens + max_tokens
+    if limits.context is not None and total > limits.context:
+        return f"prompt {prompt_tokens} + max_tokens {max_tokens} > context {limits.context}"
+    for name, pool in limits.pools.items():
+        if name.startswith("prefill") and prompt_tokens > pool:
+            return f"prompt {prompt_tokens} > {name} {pool}"
+        if not name.startswith("prefill") and total > pool:
+            return f"prompt {prompt_tokens} + max_tokens {max_tokens} > {name} {pool}"
+    return None
+
+
+def attack_targets(limits: Limits, max_tokens: int, far_over_default: int = 262_144) -> list[Target]:
+    """Attacker prompt sizes around every limit: limit - 1, limit, limit + 1, 2 x limit, and for the context
+    and every pool but prefill's (which holds the prompt alone) prompt + ``max_tokens`` at and just over it.
+    Strongest first: sizes over some limit, smallest first, then the doubled ones, then sizes that fit. One
+    target per size; without any limit, only ``far_over_default`` tokens."""
+    named = ([("context", limits.context)] if limits.context else []) + list(limits.pools.items())
+    if not named:
+        return [Target("far over (no limit known)", far_over_default)]
+    near, doubled = [], []
+    for name, size in sorted(named, key=lambda kv: kv[1]):
+        near += [Target(f"{name} + 1", size + 1), Target(name, size), Target(f"{name} - 1", size - 1)]
+        if not name.startswith("prefill"):
+            near += [Target(f"{name} - max_tokens + 1", size - max_tokens + 1),
+                     Target(f"{name} - max_tokens", size - max_tokens)]
+        doubled.append(Target(f"2 x {name}", 2 * size))
+    over = sorted((t for t in near if must_reject(t.tokens, max_tokens, limits)), key=lambda t: t.tokens)
+    fitting = [t for t in near if not must_reject(t.tokens, max_tokens, limits)]
+    unique: dict[int, Target] = {}
+    for t in over + doubled + fitting:
+        if t.tokens > 0:
+            unique.setdefault(t.tokens, t)
+    return list(unique.values())
+
+
+def victim_sizes(limits: Limits, max_tokens: int, cap: int | None) -> list[int]:
+    """Victim prompt tokens: 90% of the smallest limit, and filling it up to ``max_tokens`` + 8 (the first is
+    the safer while token counts are still estimates); at most ``cap`` (when given). Without a limit: ``cap``
+    or 1,000."""
+    smallest = limits.smallest
+    sizes = [1000] if smallest is None else [int(0.9 * smallest), smallest - max_tokens - 8]
+    return [min(s, cap) if cap else s for s in sizes]
+
+
+# -- exchanges and findings ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Exchange:
+    """One request and its answer. ``role``: calibration | victim | attacker | normal; ``alone``: sent with
+    nothing else in flight (the baseline of the coherence check). ``text``: the reply's content, or an error
+    body's message; ``error``: why no answer came (timeout, connection)."""
+
+    id: int
+    phase: str
+    tenant: str
+    role: str
+    label: str
+    prompt: str
+    max_tokens: int
+    planned_tokens: int | None = None
+    canary: str | None = None
+    alone: bool = False
+    status: int | None = None
+    text: str | None = None
+    prompt_tokens: int | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int | None:
+        """The prompt tokens: the server's count when it gave one, else the planned count."""
+        return self.prompt_tokens if self.prompt_tokens is not None else self.planned_tokens
+
+
+@dataclass(frozen=True)
+class Finding:
+    """``kind``: leak | wrong status | wrong status class | incoherent. ``receiver`` got the response;
+    ``victims`` own what leaked into it (empty for other kinds)."""
+
+    kind: str
+    receiver: str
+    victims: tuple[str, ...]
+    request: int
+    label: str
+    status: int | None
+    detail: str
+
+
+def _contains(text: str, fragment: str) -> bool:
+    """Case-insensitive; a word or number must stand alone (``4471`` is not in ``44712``)."""
+    if fragment.isalnum():
+        return re.search(rf"(?<![A-Za-z0-9]){re.escape(fragment)}(?![A-Za-z0-9])", text, re.IGNORECASE) is not None
+    return fragment.lower() in text.lower()
+
+
+def specific_fragments(canary: Canary, text: str, own_prompt: str) -> list[str]:
+    """Pieces unique to ``canary`` (its code, word, digits) in ``text`` but not in the receiver's ``own_prompt``."""
+    return [f for f in (canary.code, canary.word, canary.digits) if _contains(text, f) and not _contains(own_prompt, f)]
+
+
+def shared_fragments(text: str, own_prompt: str) -> list[str]:
+    """Pieces every victim request carries ("secret code", document phrases) in ``text`` but not in
+    ``own_prompt``."""
+    return [f for f in (SECRET, *DOCUMENT_FRAGMENTS) if _contains(text, f) and not _contains(own_prompt, f)]
+
+
+def leak_finding(ex: Exchange, canaries: list[Canary]) -> Finding | None:
+    """A leak into ``ex`` from another tenant's canary request. Victims are the owners of the canaries whose
+    own pieces appear; with only shared pieces, every other canary tenant."""
+    if not ex.text:
+        return None
+    others = [c for c in canaries if c.tenant != ex.tenant]
+    hits = {c: specific_fragments(c, ex.text, ex.prompt) for c in others}
+    hits = {c: found for c, found in hits.items() if found}
+    shared = shared_fragments(ex.text, ex.prompt) if others else []
+    if not hits and not shared:
+        return None
+    victims = {c.tenant for c in (hits or others)}
+    fragments = list(dict.fromkeys([f for found in hits.values() for f in found] + shared))
+    return Finding("leak", ex.tenant, tuple(sorted(victims)), ex.id, ex.label, ex.status,
+                   f"{', '.join(repr(f) for f in fragments)} in {_excerpt(ex.text)}")
+
+
+def status_finding(ex: Exchange, limits: Limits) -> Finding | None:
+    """A 200 (``wrong status``) or 5xx (``wrong status class``) for a request over ``limits``."""
+    reason = None if ex.tokens is None else must_reject(ex.tokens, ex.max_tokens, limits)
+    if reason is None or ex.status is None or 400 <= ex.status < 500:
+        return None
+    if ex.status == 200:
+        return Finding("wrong status", ex.tenant, (), ex.id, ex.label, 200, f"{reason}, yet HTTP 200 (want 400)")
+    if ex.status >= 500:
+        return Finding("wrong status class", ex.tenant, (), ex.id, ex.label, ex.status,
+                       f"{reason}: a client error answered {ex.status} (want 400)")
+    return None
+
+
+def incoherence_findings(exchanges: list[Exchange]) -> list[Finding]:
+    """Normal prompts whose greedy output under load differs from the same prompt's output sent alone."""
+    alone = {e.prompt: e.text for e in exchanges if e.role == "normal" and e.alone and e.status == 200}
+    findings = []
+    for e in exchanges:
+        base = alone.get(e.prompt)
+        if e.role == "normal" and not e.alone and e.status == 200 and base is not None and e.text != base:
+            findings.append(Finding("incoherent", e.tenant, (), e.id, e.label, e.status,
+                                    f"alone {_excerpt(base)} vs under load {_excerpt(e.text or '')}"))
+    return findings
+
+
+def classify(exchanges: list[Exchange], canaries: list[Canary], limits: Limits) -> list[Finding]:
+    """Every finding in ``exchanges``: leaks, wrong statuses, then incoherence."""
+    leaks = [leak_finding(e, canaries) for e in exchanges]
+    statuses = [status_finding(e, limits) for e in exchanges]
+    return [f for f in leaks + statuses if f is not None] + incoherence_findings(exchanges)
+
+
+def _excerpt(text: str, most: int = 80) -> str:
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= most else flat[:most] + "…")
+
+
+# -- report -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """Everything a run learned and found. ``inconclusive``: why a run without findings proves nothing."""
+
+    url: str
+    model: str
+    limits: Limits
+    notes: list[str]
+    tenants: list[Tenant]
+    attackers: list[str]
+    exchanges: list[Exchange]
+    canaries: list[Canary]
+    findings: list[Finding]
+    inconclusive: str | None
+
+    @property
+    def exit_code(self) -> int:
+        if self.findings:
+            return EXIT_FINDINGS
+        return EXIT_INCONCLUSIVE if self.inconclusive else EXIT_CLEAN
+
+
+def render_table(report: Report) -> str:
+    """Findings as a table (kind, receiver, victims, request, status, detail), then the summary."""
+    rows = [("kind", "receiver", "victims", "request", "status", "detail")]
+    rows += [(f.kind, f.receiver, ",".join(f.victims) or "-", f"#{f.request} {f.label}", str(f.status), f.detail)
+             for f in report.findings]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5] for r in rows]
+    return "\n".join((lines if report.findings else []) + summary_lines(report))
+
+
+def summary_lines(report: Report) -> list[str]:
+    """Tenants, limits, counts by kind, and the verdict."""
+    roles = ", ".join(f"{t.label}={t.masked} ({'attacker' if t.label in report.attackers else 'canary'})"
+                      for t in report.tenants)
+    statuses: dict[str, int] = {}
+    for e in report.exchanges:
+        key = str(e.status) if e.status is not None else "no answer"
+        statuses[key] = statuses.get(key, 0) + 1
+    kinds: dict[str, int] = {}
+    for f in report.findings:
+        kinds[f.kind] = kinds.get(f.kind, 0) + 1
+    lines = [f"probe: {report.url} model {report.model}; tenants {roles}",
+             f"probe: limits: context {report.limits.context or 'unknown'}"
+             + "".join(f", {name} {size}" for name, size in report.limits.pools.items()),
+             *[f"probe: note: {n}" for n in report.notes],
+             f"probe: {len(report.exchanges)} requests ({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))})"]
+    if report.findings:
+        lines.append("FINDINGS: " + ", ".join(f"{v} {k}" for k, v in kinds.items()))
+    elif report.inconclusive:
+        lines.append(f"CANNOT CONCLUDE: {report.inconclusive}")
+    else:
+        lines.append("OK: no leak, no wrong status, no incoherence found")
+    return lines
+
+
+def report_json(report: Report) -> str:
+    body = {"exit_code": report.exit_code, "url": report.url, "model": report.model,
+            "limits": asdict(report.limits), "notes": report.notes,
+            "tenants": [{"label": t.label, "key": t.masked, "attacker": t.label in report.attackers}
+                        for t in report.tenants],
+            "canaries": [asdict(c) | {"code": c.code} for c in report.canaries],
+            "findings": [asdict(f) for f in report.findings], "inconclusive": report.inconclusive,
+            "requests": [asdict(e) for e in report.exchanges]}
+    return json.dumps(body, indent=2)
+
+
+# -- learning the server ------------------------------------------------------------------------------------
+
+
+def learn_limits(max_context: int | None, models: dict | None, health: dict | None,
+                 pools: list[tuple[str, int]]) -> tuple[Limits, list[str]]:
+    """Limits from, in order: ``--max-context``, /v1/models ``max_model_len``, kvfence /health ``max_context``;
+    and the ``(role, pool tokens)`` pairs a server exposed, one name per distinct pool. Notes say what is
+    missing."""
+    cards = (models or {}).get("data") or [{}]
+    context = max_context or cards[0].get("max_model_len") or (health or {}).get("max_context")
+    named: dict[str, int] = {}
+    for role, size in sorted(pools):
+        sizes = [v for k, v in named.items() if k.startswith(f"{role} pool")]
+        if size not in sizes:
+            named[f"{role} pool" + (f" {len(sizes) + 1}" if sizes else "")] = size
+    notes = [] if named else ["the server exposes no KV pool sizes: probing around the context only"]
+    if not context:
+        notes.append("the server reports no context length (pass --max-context): limits cannot be tested "
+                     "precisely" + ("" if named else ", so only a far-over prompt is sent"))
+    return Limits(int(context) if context else None, named), notes
+
+
+# -- driving a server over HTTP ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The command's flags."""
+
+    url: str
+    tenants: list[Tenant]
+    model: str | None
+    max_context: int | None
+    requests: int
+    time_limit: float
+    concurrency: int
+    timeout: float
+    max_tokens: int
+    victim_tokens: int | None
+    seed: int | None
+
+
+class Prober:
+    """Runs the phases (discover, calibrate, baseline, victim-then-attacker pairs, concurrent mix) within
+    ``settings.requests`` and ``settings.time_limit``, writing one progress line per request to ``progress``."""
+
+    def __init__(self, settings: Settings, client: httpx.AsyncClient, progress) -> None:
+        self.s, self.client, self.progress = settings, client, progress
+        self.rng = random.Random(settings.seed)
+        self.victims, self.attacker = settings.tenants[:-1], settings.tenants[-1]
+        self.exchanges: list[Exchange] = []
+        self.canaries: list[Canary] = []
+        self.started = time.monotonic()
+        self.model = settings.model or ""
+        self.tokens = TokenModel(0, 1, False)
+        self.victim_sample = (0, 0, 0.0)  # (document chars, prompt tokens, tokens of a chat without document)
+        self.notes: list[str] = []
+
+    # budget and transport
+
+    def budget_left(self) -> bool:
+        return len(self.exchanges) < self.s.requests and time.monotonic() - self.started < self.s.time_limit
+
+    async def chat(self, tenant: Tenant, phase: str, role: str, label: str, prompt: str, max_tokens: int,
+                   **extra) -> Exchange | None:
+        """Send one greedy chat and record it; ``None`` (nothing sent) once the budget is spent."""
+        if not self.budget_left():
+            return None
+        ex = Exchange(len(self.exchanges) + 1, phase, tenant.label, role, label, prompt, max_tokens, **extra)
+        self.exchanges.append(ex)
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                "temperature": 0}
+        began = time.monotonic()
+        try:
+            resp = await self.client.post("/v1/chat/completions", json=body, timeout=self.s.timeout,
+                                          headers={"Authorization": f"Bearer {tenant.key}"})
+            ex.status = resp.status_code
+            ex.text, ex.prompt_tokens = reply_content(resp)
+        except httpx.HTTPError as e:
+            ex.error = f"{type(e).__name__}: {e}"
+        ex.seconds = round(time.monotonic() - began, 2)
+        self.report_progress(ex)
+        return ex
+
+    def report_progress(self, ex: Exchange) -> None:
+        outcome = ex.status if ex.status is not None else ex.error
+        print(f"probe: {ex.phase}: #{ex.id} {ex.role} {ex.label} ({ex.tokens or '?'} tokens) -> {outcome} in "
+              f"{ex.seconds:.1f}s; {len(self.exchanges)}/{self.s.requests} requests, "
+              f"{time.monotonic() - self.started:.0f}/{self.s.time_limit:.0f}s", file=self.progress, flush=True)
+
+    # phases
+
+    async def discover(self) -> Limits:
+        """The model and the limits; raises ``UsageError`` when the server cannot be read."""
+        models = await self.get_json("/v1/models")
+        if not self.model:
+            cards = (models or {}).get("data") or []
+            if not cards:
+                raise UsageError(f"{self.s.url}/v1/models lists no model: pass --model")
+            self.model = cards[0]["id"]
+        health = await self.get_json("/health")
+        try:
+            _, nodes = await asyncio.to_thread(server_nodes, self.s.url, self.s.tenants[0].key, self.s.timeout, 1,
+                                            self.s.max_context)
+        except UsageError:
+            nodes = []
+        limits, notes = learn_limits(self.s.max_context, models, health, [(n.role, n.pool_tokens) for n in nodes])
+        self.notes += notes
+        return limits
+
+    async def get_json(self, path: str) -> dict | None:
+        """GET ``path`` as the first tenant: its JSON object, or ``None``. Raises ``UsageError`` when nothing
+        answers or the key is refused."""
+        try:
+            resp = await self.client.get(path, headers={"Authorization": f"Bearer {self.s.tenants[0].key}"},
+                                         timeout=self.s.timeout)
+        except httpx.HTTPError as e:
+            raise UsageError(f"cannot reach {self.s.url}{path}: {e}") from e
+        if resp.status_code in (401, 403):
+            raise UsageError(f"{self.s.url}{path} answered {resp.status_code}: check the --key values")
+        try:
+            body = resp.json()
+        except ValueError:
+            return None
+        return body if resp.status_code == 200 and isinstance(body, dict) else None
+
+    async def calibrate_tokens(self) -> None:
+        """Learn the attacker chat's tokens per filler word from the server's ``usage.prompt_tokens``."""
+        measured = []
+        for words in CALIBRATION_WORDS:
+            ex = await self.chat(self.attacker, "calibrate tokens", "calibration", f"{words} words",
+                                 attack_text(words), 1)
+            if ex is not None and ex.prompt_tokens:
+                measured.append((words, ex.prompt_tokens))
+        if len(measured) < 2:
+            raise UsageError("the server returned no usage.prompt_tokens: cannot size prompts")
+        self.tokens = fit_token_model(measured)
+        if not self.tokens.exact:
+            self.notes.append(f"attacker prompt sizes are estimates ({self.tokens.per_word:.2f} tokens per word); "
+                              "the table shows the server's counts where it reported them")
+
+    async def calibrate_canaries(self) -> bool:
+        """Whether the model repeats a fresh code sent alone (at most three tries); also samples the victims'
+        tokens per document character."""
+        repeated, alone_tokens = False, 0
+        for attempt, sentences in enumerate((0, 8, 0)):
+            if repeated and attempt == 2:
+                break
+            canary = self.new_canary(self.victims[attempt % len(self.victims)])
+            chars = sentences * len(DOCUMENT_SENTENCE.format(code=canary.code)) + sentences
+            ex = await self.chat(self.tenant(canary.tenant), "calibrate canaries", "calibration",
+                                 f"canary{' + document' if chars else ''}", canary_prompt(canary, chars), 32,
+                                 canary=canary.code, alone=True)
+            if ex is None or ex.status != 200:
+                continue
+            repeated = repeated or _contains(ex.text or "", canary.code)
+            if chars == 0 and ex.prompt_tokens:
+                alone_tokens = ex.prompt_tokens
+            elif ex.prompt_tokens and alone_tokens:
+                self.victim_sample = (len(victim_document(canary, chars)), ex.prompt_tokens, float(alone_tokens))
+        return repeated
+
+    async def baseline(self) -> None:
+        """Each normal prompt alone: the outputs the coherence check expects under load."""
+        for i, prompt in enumerate(NORMAL_PROMPTS):
+            await self.chat(self.attacker, "baseline", "normal", f"normal {i + 1}", prompt, self.s.max_tokens,
+                            alone=True)
+
+    async def pairs(self, targets: list[Target], sizes: list[int], most: int) -> int:
+        """Each target in turn as the attacker, after a victim request has run to its end; a new victim only
+        after an attacker was served (a rejected one used no pages). At most ``most`` requests; returns the
+        attacks that followed a completed victim."""
+        done, victim, budget = 0, None, len(self.exchanges) + most
+        for target in targets:
+            if len(self.exchanges) + (victim is None) >= budget:
+                break
+            if victim is None:
+                n = sum(e.role == "victim" for e in self.exchanges)
+                victim = await self.victim(self.victims[n % len(self.victims)], sizes[n % len(sizes)], "pairs")
+            attack = await self.attack(target, "pairs")
+            done += victim is not None and victim.status == 200 and attack is not None
+            if attack is None or attack.status is None or attack.status < 400:
+                victim = None
+        return done
+
+    async def mix(self, targets: list[Target], sizes: list[int]) -> None:
+        """Victims (with documents and alone), attackers and normal prompts in flight together, interleaved,
+        ``settings.concurrency`` at a time, until the budget is spent."""
+        gate = asyncio.Semaphore(self.s.concurrency)
+
+        async def gated(make) -> None:
+            async with gate:
+                await make()
+
+        plan = []
+        for i in range(self.s.requests):
+            tenant, normal = self.victims[i % len(self.victims)], i % len(NORMAL_PROMPTS)
+            plan += [partial(self.victim, tenant, sizes[i % len(sizes)], "mix"),
+                     partial(self.chat, self.attacker, "mix", "normal", f"normal {normal + 1}", NORMAL_PROMPTS[normal],
+                             self.s.max_tokens),
+                     partial(self.attack, targets[i % len(targets)], "mix"),
+                     partial(self.victim, tenant, 0, "mix")]
+        await asyncio.gather(*(gated(make) for make in plan))
+
+    async def victim(self, tenant: Tenant, tokens: int, phase: str) -> Exchange | None:
+        """A fresh canary of ``tenant`` after a document making about ``tokens`` prompt tokens (none for 0)."""
+        if not self.budget_left():
+            return None
+        canary = self.new_canary(tenant)
+        chars = document_chars_for(tokens, *self.victim_sample) if tokens and self.victim_sample[1] else 0
+        ex = await self.chat(tenant, phase, "victim", f"canary + {tokens}-token document" if chars else "canary",
+                             canary_prompt(canary, chars), self.s.max_tokens, canary=canary.code)
+        if ex is not None and chars and ex.prompt_tokens:
+            self.victim_sample = (len(victim_document(canary, chars)), ex.prompt_tokens, self.victim_sample[2])
+        return ex
+
+    async def attack(self, target: Target, phase: str) -> Exchange | None:
+        words = self.tokens.words_for(target.tokens)
+        return await self.chat(self.attacker, phase, "attacker", target.label, attack_text(words), self.s.max_tokens,
+                               planned_tokens=self.tokens.tokens(words))
+
+    def new_canary(self, tenant: Tenant) -> Canary:
+        canary = new_canary(tenant.label, self.rng, (c.word for c in self.canaries))
+        self.canaries.append(canary)
+        return canary
+
+    def tenant(self, label: str) -> Tenant:
+        return next(t for t in self.s.tenants if t.label == label)
+
+    async def run(self) -> Report:
+        """Every phase in order; the report of what was found."""
+        limits = await self.discover()
+        await self.calibrate_tokens()
+        repeats = await self.calibrate_canaries()
+        await self.baseline()
+        targets = attack_targets(limits, self.s.max_tokens)
+        sizes = victim_sizes(limits, self.s.max_tokens, self.s.victim_tokens)
+        pairs = await self.pairs(targets, sizes, most=max(2, (self.s.requests - len(self.exchanges)) // 2))
+        await self.mix(targets, sizes)
+        inconclusive = None
+        if not repeats:
+            inconclusive = "the model did not repeat a fresh code sent alone, so leaked codes may go unseen"
+        elif not pairs:
+            inconclusive = "no victim-then-attacker pair completed within --requests and --time-limit"
+        return Report(self.s.url, self.model, limits, self.notes, self.s.tenants, [self.attacker.label],
+                      self.exchanges, self.canaries, classify(self.exchanges, self.canaries, limits), inconclusive)
+
+
+def reply_content(resp: httpx.Response) -> tuple[str | None, int | None]:
+    """``(text, usage.prompt_tokens)`` of a chat completion; for an error, ``(its message, None)``."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:2000], None
+    if resp.status_code == 200 and isinstance(body, dict) and body.get("choices"):
+        usage = body.get("usage") or {}
+        return body["choices"][0].get("message", {}).get("content"), usage.get("prompt_tokens")
+    error = body.get("error") if isinstance(body, dict) else None
+    return str(error.get("message") if isinstance(error, dict) else body)[:2000], None
+
+
+# -- command ----------------------------------------------------------------------------------------------------
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} is not positive")
+        return value
+    return parse
+
+
+def add_probe_parser(sub) -> None:
+    """Add ``probe`` to the ``kvfence`` subcommands ``sub``."""
+    p = sub.add_parser(
+        "probe", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="black-box canary leak test of an OpenAI-compatible server (kvfence, SGLang, vLLM, llama.cpp)",
+        description="Send canary chats as every --key but the last (the victims) and over-length prompts around "
+                    "every limit the server exposes as the last --key (the attacker); report responses holding "
+                    "another tenant's canary, over-length requests answered 200 or 5xx, and greedy outputs that "
+                    "change under load.\n\n"
+                    "Exit status: 0 nothing found, 1 findings, 2 usage or connection error, 3 cannot conclude "
+                    "(the model does not repeat codes, or the bounds allowed no victim-then-attacker pair).")
+    p.add_argument("--url", required=True, help="http://HOST:PORT of the server (without /v1)")
+    p.add_argument("--key", action="append", required=True,
+                   help="an API key; give at least two, each of another tenant; the last one attacks")
+    p.add_argument("--model", default=None, help="model id (default: the first in /v1/models)")
+    p.add_argument("--max-context", type=_positive(int), default=None,
+                   help="the context served (default: what the server reports)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the full report as JSON to FILE")
+    p.add_argument("--requests", type=_positive(int), default=200, help="most requests in all")
+    p.add_argument("--time-limit", type=_positive(float), default=600.0, metavar="S",
+                   help="send no request after S seconds")
+    p.add_argument("--concurrency", type=_positive(int), default=4, help="requests in flight in the mixed phase")
+    p.add_argument("--timeout", type=_positive(float), default=300.0, help="seconds to wait for each answer")
+    p.add_argument("--max-tokens", type=_positive(int), default=32, help="max_tokens of victims and attackers")
+    p.add_argument("--victim-tokens", type=_positive(int), default=None, metavar="N",
+                   help="longest victim prompt (default: filling the smallest limit learned)")
+    p.add_argument("--seed", type=int, default=None, help="seed for the canary codes (default: fresh)")
+    p.set_defaults(func=cmd_probe)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    if len(args.key) < 2:
+        raise UsageError("give at least two --key values: canary tenants first, the attacker last")
+    tenants = [Tenant(f"key{i + 1}", key) for i, key in enumerate(args.key)]
+    return Settings(args.url.rstrip("/"), tenants, args.model, args.max_context, args.requests, args.time_limit,
+                    args.concurrency, args.timeout, args.max_tokens, args.victim_tokens, args.seed)
+
+
+async def probe(settings: Settings) -> Report:
+    async with httpx.AsyncClient(base_url=settings.url) as client:
+        return await Prober(settings, client, sys.stderr).run()
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the progress lines say what each request did
+    try:
+        report = asyncio.run(probe(settings_from(args)))
+    except UsageError as e:
+        print(f"kvfence probe: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(report_json(report))
+    print(render_table(report))
+    return report.exit_code

@@ -1,0 +1,220 @@
+"""``kvfence probe``: its pure parts with exact inputs, then two runs against real servers with the real SmolLM2.
+
+The end-to-end runs: a clean ``kvfence serve`` passes (exit 0); the incident emulation of DESIGN section 1 (every
+layer off, a prefill pool smaller than the context) is caught: exit 1, a leak naming victim and receiver, and
+over-length requests answered 200.
+"""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from kvfence.tools.probe import (
+    EXIT_CLEAN,
+    EXIT_FINDINGS,
+    EXIT_INCONCLUSIVE,
+    Canary,
+    Exchange,
+    Limits,
+    Report,
+    Tenant,
+    attack_targets,
+    attack_text,
+    canary_prompt,
+    classify,
+    document_chars_for,
+    fit_token_model,
+    learn_limits,
+    must_reject,
+    new_canary,
+    render_table,
+    victim_document,
+)
+from tests.server import ROOT, Server
+
+ZEBRA = Canary("key1", "ZEBRA", "4471")
+INCIDENT = Limits(4096, {"decode pool": 1088, "prefill pool": 1024})
+
+
+def reply(text: str, *, tenant: str = "key3", prompt: str = "tell me a story", status: int = 200,
+          role: str = "attacker", tokens: int | None = 40, max_tokens: int = 32, alone: bool = False) -> Exchange:
+    return Exchange(7, "pairs", tenant, role, "prefill pool + 1", prompt, max_tokens, status=status, text=text,
+                    prompt_tokens=tokens, alone=alone)
+
+
+# -- canaries and prompts ------------------------------------------------------------------------------
+
+
+def test_canaries_are_fresh_and_their_documents_name_the_code():
+    rng = random.Random(1)
+    words = [new_canary("key1", rng, []).word for _ in range(3)]
+    c = new_canary("key2", rng, words)
+    assert c.word not in words and 2100 <= int(c.digits) <= 9999 and c.code == f"{c.word}-{c.digits}"
+    assert ZEBRA.sentence == "Repeat exactly: the secret code is ZEBRA-4471."
+    doc = victim_document(ZEBRA, 300)
+    assert len(doc) <= 300 and doc.count("ZEBRA-4471") == 3 and not doc.endswith(" ")
+    assert canary_prompt(ZEBRA, 0) == ZEBRA.sentence
+    assert canary_prompt(ZEBRA, 300) == doc + "\n" + ZEBRA.sentence
+
+
+def test_attack_text_has_the_words_asked_for():
+    assert attack_text(3) == "tell me a"
+    assert len(attack_text(1000).split()) == 1000
+
+
+# -- sizes -------------------------------------------------------------------------------------------------
+
+
+def test_token_model_is_exact_when_one_word_is_one_token():
+    model = fit_token_model([(20, 50), (40, 70), (80, 110)])
+    assert model.exact and model.tokens(995) == 1025 and model.words_for(1025) == 995
+
+
+def test_token_model_off_the_line_is_an_estimate():
+    model = fit_token_model([(20, 50), (40, 75), (80, 110)])
+    assert not model.exact and model.per_word == 1.0
+    assert not fit_token_model([(20, 60), (80, 180)]).exact  # two tokens per word
+
+
+def test_document_chars_scale_from_the_sample():
+    assert document_chars_for(1046, 1000, 246, 46.0) == 5000  # 5 chars per document token
+
+
+def test_limits_prefer_the_flag_then_models_then_health_and_name_each_distinct_pool():
+    models = {"data": [{"id": "m", "max_model_len": 4096}]}
+    pools = [("prefill", 1024), ("decode", 1088), ("decode", 1088), ("decode", 2048)]
+    limits, notes = learn_limits(None, models, {"max_context": 8192}, pools)
+    assert limits == Limits(4096, {"decode pool": 1088, "decode pool 2": 2048, "prefill pool": 1024}) and not notes
+    assert learn_limits(2000, models, None, [])[0].context == 2000
+    assert learn_limits(None, {"data": [{"id": "m"}]}, {"max_context": 8192}, [])[0].context == 8192
+    limits, notes = learn_limits(None, None, None, [])
+    assert limits == Limits(None, {}) and "only a far-over prompt" in notes[-1]
+
+
+def test_must_reject_prefill_holds_the_prompt_other_limits_prompt_plus_max_tokens():
+    assert must_reject(1024, 32, INCIDENT) is None
+    assert must_reject(1025, 32, INCIDENT) == "prompt 1025 > prefill pool 1024"
+    assert must_reject(4065, 32, Limits(4096)) == "prompt 4065 + max_tokens 32 > context 4096"
+    assert must_reject(1057, 32, Limits(None, {"decode pool": 1088})) == (
+        "prompt 1057 + max_tokens 32 > decode pool 1088")
+    assert must_reject(10**6, 32, Limits(None)) is None
+
+
+def test_attack_targets_over_first_smallest_first_then_doubled_then_fitting():
+    targets = [(t.label, t.tokens) for t in attack_targets(INCIDENT, 32)]
+    assert targets[:3] == [("prefill pool + 1", 1025), ("decode pool - max_tokens", 1056),
+                           ("decode pool - max_tokens + 1", 1057)]
+    assert ("context - max_tokens + 1", 4065) in targets and ("2 x context", 8192) in targets
+    assert targets[-2:] == [("prefill pool", 1024), ("prefill pool - 1", 1023)]
+    assert len({tokens for _, tokens in targets}) == len(targets)
+    assert [t.label for t in attack_targets(Limits(None), 32)] == ["far over (no limit known)"]
+
+
+# -- findings ------------------------------------------------------------------------------------------------
+
+
+def test_a_leaked_code_names_victim_and_receiver():
+    [finding] = classify([reply("- The secret code is ZEBRA-4471")], [ZEBRA], Limits(4096))
+    assert (finding.kind, finding.receiver, finding.victims) == ("leak", "key3", ("key1",))
+    assert "'ZEBRA-4471'" in finding.detail and "'secret code'" in finding.detail
+
+
+def test_fragments_alone_are_leaks_too():
+    [word] = classify([reply("the zebra walked")], [ZEBRA], Limits(4096))
+    [digits] = classify([reply("code 4471 it is")], [ZEBRA], Limits(4096))
+    [document] = classify([reply("covers the northern region")], [ZEBRA], Limits(4096))
+    assert word.victims == digits.victims == document.victims == ("key1",)
+    assert "'ZEBRA'" in word.detail and "'4471'" in digits.detail and "'northern region'" in document.detail
+
+
+def test_the_receivers_own_words_and_its_own_canaries_are_not_leaks():
+    own = reply("the secret code is 4471 and the zebra", prompt="A zebra said the secret code is 4471.")
+    mine = reply("The secret code is ZEBRA-4471.", tenant="key1", role="victim", prompt=ZEBRA.sentence)
+    assert classify([own, mine], [ZEBRA], Limits(4096)) == []
+
+
+def test_numbers_and_words_must_stand_alone():
+    assert classify([reply("44712 zebras")], [ZEBRA], Limits(4096)) == []
+
+
+def test_a_code_names_only_its_owner_shared_fragments_every_other_canary_tenant():
+    carol = Canary("key2", "MANGO", "8123")
+    [one] = classify([reply("MANGO-8123")], [ZEBRA, carol], Limits(4096))
+    [shared] = classify([reply("a secret code")], [ZEBRA, carol], Limits(4096))
+    assert one.victims == ("key2",) and shared.victims == ("key1", "key2")
+
+
+def test_an_over_length_200_is_a_wrong_status_a_5xx_a_wrong_status_class_a_400_nothing():
+    over = dict(tokens=1025)
+    found = classify([reply("story", **over), reply("boom", status=503, **over), reply("no", status=400, **over),
+                      reply("fits", tokens=1000)], [], INCIDENT)
+    assert [(f.kind, f.status) for f in found] == [("wrong status", 200), ("wrong status class", 503)]
+    assert found[0].detail == "prompt 1025 > prefill pool 1024, yet HTTP 200 (want 400)"
+
+
+def test_greedy_outputs_under_load_must_equal_those_alone():
+    prompt = "What is the capital of France?"
+    alone = reply("Paris.", prompt=prompt, role="normal", alone=True)
+    same, other = reply("Paris.", prompt=prompt, role="normal"), reply("Lyon.", prompt=prompt, role="normal")
+    [finding] = classify([alone, same, other], [], Limits(4096))
+    assert finding.kind == "incoherent" and "'Paris.'" in finding.detail and "'Lyon.'" in finding.detail
+
+
+def report_of(findings, inconclusive=None) -> Report:
+    tenants = [Tenant("key1", "sk-alice"), Tenant("key2", "sk-bob")]
+    return Report("http://x", "m", INCIDENT, [], tenants, ["key2"], [], [ZEBRA], findings, inconclusive)
+
+
+def test_report_table_and_exit_codes():
+    [leak] = classify([reply("ZEBRA-4471", tenant="key2")], [ZEBRA], INCIDENT)
+    table = render_table(report_of([leak]))
+    assert table.splitlines()[0].split() == ["kind", "receiver", "victims", "request", "status", "detail"]
+    assert "leak" in table and "key1=sk-a…ce (canary)" in table and "FINDINGS: 1 leak" in table
+    assert report_of([leak]).exit_code == EXIT_FINDINGS
+    assert report_of([]).exit_code == EXIT_CLEAN and "OK:" in render_table(report_of([]))
+    assert report_of([], "no pair").exit_code == EXIT_INCONCLUSIVE
+    assert "CANNOT CONCLUDE: no pair" in render_table(report_of([], "no pair"))
+
+
+# -- against real servers (slow) ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    path.write_text("".join(f'[tenants.{t}]\napi_keys = ["sk-{t}"]\n\n' for t in ("alice", "carol", "bob")))
+    return str(path)
+
+
+def run_probe(server: Server, tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "kvfence.cli", "probe", "--url", server.url, "--key", "sk-alice", "--key",
+           "sk-carol", "--key", "sk-bob", "--json", str(out), *flags]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return done, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_a_clean_kvfence_server_passes(tenants, tmp_path):
+    with Server("--max-context", "4096", "--tenants", tenants, ready_timeout=300) as server:
+        done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "90",
+                                 "--victim-tokens", "600")
+    assert done.returncode == EXIT_CLEAN, done.stdout + done.stderr[-3000:]
+    assert "OK: no leak" in done.stdout and "probe: " in done.stderr  # the table, and progress lines
+    statuses = {r["label"]: r["status"] for r in report["requests"] if r["role"] == "attacker"}
+    assert statuses["context + 1"] == 400 and statuses["context - max_tokens + 1"] == 400
+
+
+def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tenants, tmp_path):
+    flags = ("--emulate-incident", "--prefill-pool-tokens", "1024", "--max-context", "4096",
+             "--decode-pool-tokens", "1088", "--tenants", tenants)
+    with Server(*flags, env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
+        done, report = run_probe(server, tmp_path, "--requests", "16", "--time-limit", "120")
+    assert done.returncode == EXIT_FINDINGS, done.stdout + done.stderr[-3000:]
+    kinds = {f["kind"] for f in report["findings"]}
+    assert {"leak", "wrong status"} <= kinds, done.stdout
+    leak = next(f for f in report["findings"] if f["kind"] == "leak")
+    assert leak["receiver"] == "key3" and set(leak["victims"]) <= {"key1", "key2"} and leak["victims"]
+    assert "leak" in done.stdout and "key3" in done.stdout
