@@ -11,6 +11,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 static inline __m512bh load_bh(const uint16_t *p, __mmask32 mask) {
@@ -192,4 +193,157 @@ void kvf_gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw
         _tile_release();
     }
     free(xp);
+}
+
+/* ---- decode attention straight from the pool -----------------------------------------------------------------
+ *
+ * One task per (sequence, KV head): its G = H / KV queries against the sequence's own slots, scores, softmax and
+ * the weighted sum of V in fp32, rounded to bf16 at the end. A task reads nothing of other sequences and runs the
+ * same instructions whatever the other tasks are, so each sequence's output is the same alone or in any batch.
+ */
+#include <float.h>
+
+/* e^x for x <= 0 (Cody-Waite reduction, degree-7 polynomial): about 1 ulp, and the same on every call. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_f32(const uint16_t *p) { /* 16 bf16 -> fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+#define MAX_G 16
+#define MAX_DV 16 /* D <= 256 */
+
+/* q: row i at q + i * ldq, H heads of D. kv: slot s holds K heads at kv + s * slot_stride and V heads KV * D after.
+ * Sequence i's positions are slots[starts[i] .. starts[i + 1]). out: row i at out + i * ldo, H heads of D.
+ * Needs D % 16 == 0, D <= 256, H / KV <= 16 (the caller checks). */
+void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, int64_t slot_stride,
+                          const int64_t *slots, const int64_t *starts, int64_t n, int64_t H, int64_t KV, int64_t D,
+                          float scale, uint16_t *out, int64_t ldo, int nthreads) {
+    const int64_t G = H / KV, DV = D / 16;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t task = 0; task < n * KV; task++) {
+        const int64_t i = task / KV, h = task % KV, S = starts[i + 1] - starts[i];
+        const int64_t *pos = slots + starts[i];
+        float *sc = malloc(sizeof(float) * G * (S + 16));
+        __m512 qf[MAX_G][MAX_DV], o[MAX_G][MAX_DV];
+        float mx[MAX_G], inv[MAX_G];
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t v = 0; v < DV; v++) qf[g][v] = load_f32(q + i * ldq + (h * G + g) * D + v * 16);
+        for (int64_t g = 0; g < G; g++) mx[g] = -FLT_MAX;
+        for (int64_t p = 0; p < S; p++) { /* scores */
+            const uint16_t *k = kv + pos[p] * slot_stride + h * D;
+            __m512 kf[MAX_DV];
+            for (int64_t v = 0; v < DV; v++) kf[v] = load_f32(k + v * 16);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 acc = _mm512_mul_ps(qf[g][0], kf[0]);
+                for (int64_t v = 1; v < DV; v++) acc = _mm512_fmadd_ps(qf[g][v], kf[v], acc);
+                const float s = _mm512_reduce_add_ps(acc) * scale;
+                sc[g * (S + 16) + p] = s;
+                mx[g] = s > mx[g] ? s : mx[g];
+            }
+        }
+        for (int64_t g = 0; g < G; g++) { /* softmax weights, unnormalised; 1 / their sum */
+            float *row = sc + g * (S + 16);
+            __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(mx[g]);
+            for (int64_t p = 0; p < S; p += 16) {
+                __mmask16 mask = S - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - p)) - 1u);
+                __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + p), m));
+                e = _mm512_maskz_mov_ps(mask, e);
+                _mm512_mask_storeu_ps(row + p, mask, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+            for (int64_t v = 0; v < DV; v++) o[g][v] = _mm512_setzero_ps();
+        }
+        for (int64_t p = 0; p < S; p++) { /* weighted sum of V, position by position */
+            const uint16_t *vp = kv + pos[p] * slot_stride + (KV + h) * D;
+            for (int64_t v = 0; v < DV; v++) {
+                const __m512 vf = load_f32(vp + v * 16);
+                for (int64_t g = 0; g < G; g++)
+                    o[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * (S + 16) + p]), vf, o[g][v]);
+            }
+        }
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t v = 0; v < DV; v++)
+                _mm256_storeu_si256((__m256i *)(out + i * ldo + (h * G + g) * D + v * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g][v], _mm512_set1_ps(inv[g]))));
+        free(sc);
+    }
+}
+
+/* ---- row-wise steps around the matmuls (bf16, one row at a time, same order for every row) --------------------- */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* x[t] = bf16(x[t] + y[t]) when y is given; then h[t] = bf16(w * bf16(x[t] / sqrt(mean(x[t]^2) + eps))) (HF
+ * LlamaRMSNorm in bf16). The sum of squares runs over 16 fp32 lanes then one fixed-order lane sum. */
+void kvf_add_rms_norm(uint16_t *x, int64_t ldx, const uint16_t *y, int64_t ldy, const uint16_t *w, uint16_t *h,
+                      int64_t ldh, int64_t T, int64_t N, float eps, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t *xr = x + t * ldx;
+        if (y)
+            for (int64_t j = 0; j < N; j++) xr[j] = f32_to_bf16(bf16_to_f32(xr[j]) + bf16_to_f32(y[t * ldy + j]));
+        __m512 acc = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= N; j += 16) {
+            __m512 v = load_f32(xr + j);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        float ss = _mm512_reduce_add_ps(acc);
+        for (; j < N; j++) ss += bf16_to_f32(xr[j]) * bf16_to_f32(xr[j]);
+        const float r = 1.0f / sqrtf(ss / (float)N + eps);
+        for (j = 0; j < N; j++)
+            h[t * ldh + j] = f32_to_bf16(bf16_to_f32(w[j]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[j]) * r)));
+    }
+}
+
+/* Rotary embedding in place on the H + KV query and key heads of each row of qkv (HF rotate_half; each product and
+ * the sum rounded to bf16, as torch does), then that row's K and V heads (the 2 KV after them, in the pool's
+ * [2, KV, D] order) copied to pool slot slots[t]. cos/sin: row t at + t * D; sin has rotate_half's sign folded in. */
+void kvf_rope_write(uint16_t *qkv, int64_t ldq, int64_t H, int64_t KV, int64_t D, const uint16_t *cos,
+                    const uint16_t *sin, int64_t T, uint16_t *kv, int64_t slot_stride, const int64_t *slots,
+                    int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t tmp[512];
+        const uint16_t *c = cos + t * D, *s = sin + t * D;
+        for (int64_t head = 0; head < H + KV; head++) {
+            uint16_t *v = qkv + t * ldq + head * D;
+            memcpy(tmp, v, D * sizeof(uint16_t));
+            for (int64_t e = 0; e < D; e++) {
+                const uint16_t a = f32_to_bf16(bf16_to_f32(tmp[e]) * bf16_to_f32(c[e]));
+                const uint16_t b = f32_to_bf16(bf16_to_f32(tmp[(e + D / 2) % D]) * bf16_to_f32(s[e]));
+                v[e] = f32_to_bf16(bf16_to_f32(a) + bf16_to_f32(b));
+            }
+        }
+        memcpy(kv + slots[t] * slot_stride, qkv + t * ldq + H * D, 2 * KV * D * sizeof(uint16_t));
+    }
 }

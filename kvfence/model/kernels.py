@@ -60,6 +60,13 @@ def _library() -> ctypes.CDLL | None:
     for fn in (so.kvf_gemm_bf16, so.kvf_gemm_amx):
         fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
         fn.restype = None
+    so.kvf_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
+                                        ctypes.c_int]
+    so.kvf_decode_attention.restype = None
+    so.kvf_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    so.kvf_add_rms_norm.restype = None
+    so.kvf_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+    so.kvf_rope_write.restype = None
     so.amx = _cpu_has("amx_bf16", "amx_tile") and so.kvf_amx_init() == 1
     return so
 
@@ -84,3 +91,67 @@ def gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, amx:
         x.data_ptr(), x.stride(0), w.data_ptr(), K, out.data_ptr(), out.stride(0), M, N, K, torch.get_num_threads()
     )
     return out
+
+
+def attention_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether ``decode_attention`` and ``rope_write`` handle this head layout."""
+    return head_dim % 16 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16
+
+
+def decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Attention of n single-token queries over their own sequences, reading K/V straight from the pool.
+
+    q ``[n, H, D]`` (any row stride), kv ``[num_slots, 2, KV, D]`` (a pool layer, any slot stride), sequence i's
+    positions at ``slots[starts[i] : starts[i + 1]]`` (int64), out ``[n, H D]`` (any row stride); bfloat16.
+    """
+    n, H, D = q.shape
+    KV = kv.shape[2]
+    if not (q.dtype == kv.dtype == out.dtype == torch.bfloat16 and attention_fits(H, KV, D)):
+        raise ValueError("decode attention: bfloat16 only, and head_dim % 16 == 0")
+    if q.stride()[1:] != (D, 1) or kv.stride()[1:] != (KV * D, D, 1) or out.stride(1) != 1 or out.shape != (n, H * D):
+        raise ValueError("decode attention: bad layout")
+    if not all(t.dtype == torch.int64 and t.is_contiguous() for t in (slots, starts)):
+        raise ValueError("decode attention: slots and starts must be contiguous int64")
+    _library().kvf_decode_attention(
+        q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), slots.data_ptr(), starts.data_ptr(), n, H, KV, D,
+        D**-0.5, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += y`` (in place, when y is given), then HF RMSNorm of x times w -> a new ``[T, N]``; bfloat16, rows of
+    unit stride. Row by row, in the same order for every row."""
+    T, N = x.shape
+    if x.stride(1) != 1 or (y is not None and (y.stride(1) != 1 or y.shape != x.shape)) or not w.is_contiguous():
+        raise ValueError("add_rms_norm: bad layout")
+    if not (x.dtype == w.dtype == torch.bfloat16 and (y is None or y.dtype == torch.bfloat16)):
+        raise TypeError("add_rms_norm is bfloat16 only")
+    h = torch.empty(T, N, dtype=torch.bfloat16)
+    _library().kvf_add_rms_norm(
+        x.data_ptr(), x.stride(0), None if y is None else y.data_ptr(), 0 if y is None else y.stride(0),
+        w.data_ptr(), h.data_ptr(), N, T, N, eps, torch.get_num_threads(),
+    )
+    return h
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rotary embedding in place on the query and key heads of qkv ``[T, H + 2 KV, D]`` (HF rotate_half; ``sin``
+    with its sign folded in, both ``[T, D]``), then each row's K/V into pool slot ``slots[t]`` of kv
+    ``[num_slots, 2, KV, D]`` (a pool layer). Bit for bit what the torch ops in ``llama.py`` compute."""
+    T, heads, D = qkv.shape
+    KV = kv.shape[2]
+    if qkv.stride()[1:] != (D, 1) or kv.stride()[1:] != (KV * D, D, 1) or D > 512:
+        raise ValueError("rope_write: bad layout")
+    if not (qkv.dtype == kv.dtype == cos.dtype == sin.dtype == torch.bfloat16) or not cos.is_contiguous():
+        raise ValueError("rope_write: bfloat16 and contiguous tables only")
+    if cos.shape != (T, D) or sin.shape != (T, D) or slots.shape != (T,) or slots.dtype != torch.int64:
+        raise ValueError("rope_write: bad shapes")
+    if not (sin.is_contiguous() and slots.is_contiguous()):
+        raise ValueError("rope_write: tables and slots must be contiguous")
+    _library().kvf_rope_write(
+        qkv.data_ptr(), qkv.stride(0), heads - 2 * KV, KV, D, cos.data_ptr(), sin.data_ptr(), T, kv.data_ptr(),
+        kv.stride(0), slots.data_ptr(), torch.get_num_threads(),
+    )

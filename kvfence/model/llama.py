@@ -82,6 +82,8 @@ class _Batch:
     read_slots: torch.Tensor  # [S_total] pool slots of every sequence's positions, sequence after sequence
     attn: list[_Attn]
     decode_rows: int  # rows [0, decode_rows) are decode chunks (one token each), and so are the first logits rows
+    decode_kv: int  # read_slots[:decode_kv] are the decode chunks' sequences
+    decode_starts: torch.Tensor  # [decode_rows + 1] where each decode chunk's sequence starts in read_slots
     last_rows: torch.Tensor  # [B] row of each chunk's last token, in processing order
     chunk_order: torch.Tensor | None  # [B] logits rows (of last_rows) in the caller's order; None: the same
     token_order: torch.Tensor | None  # [T] logits rows (of all rows) in the caller's order; None: the same
@@ -100,7 +102,10 @@ class Model:
         self._blocks: dict[tuple[int, ...], invariant.RowBlocks] = {}
         self._threads = -1
         self._pool_views: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
+        # decode rows through the C kernels (bf16 on CPU, when they build here); False: torch for every row
         self.decode_gemm = self.dtype == torch.bfloat16 and self.device.type == "cpu" and kernels.available()
+        self.decode_attn = self.decode_gemm and kernels.attention_fits(config.num_heads, config.num_kv_heads,
+                                                                       config.head_dim)
         self.calibrate()
 
     @classmethod
@@ -173,10 +178,22 @@ class Model:
         with torch.inference_mode():
             b = self._batch(chunks, pool)
             x = self.embed[b.tokens]  # [T, hidden], a new tensor: updated in place below
-            for i, layer in enumerate(self.layers):
-                x += self._attention(layer, self._rms_norm(x, layer.attn_norm), b, b.kv_layers[i])
-                x += self._mlp(layer, self._rms_norm(x, layer.mlp_norm), b.decode_rows)
-            h = self._rms_norm(x if all_logits else x[b.last_rows], self.norm)  # [T or B, hidden]
+            if self.decode_attn:  # the C row kernels fuse each residual add with the norm after it
+                eps, layers = self.config.rms_norm_eps, self.layers
+                h = kernels.add_rms_norm(x, None, layers[0].attn_norm, eps)
+                for i, layer in enumerate(layers):
+                    h = kernels.add_rms_norm(x, self._attention(layer, h, b, b.kv_layers[i]), layer.mlp_norm, eps)
+                    y = self._mlp(layer, h, b.decode_rows)
+                    if i + 1 < len(layers):
+                        h = kernels.add_rms_norm(x, y, layers[i + 1].attn_norm, eps)
+                    else:
+                        x += y
+                h = kernels.add_rms_norm(x if all_logits else x[b.last_rows], None, self.norm, eps)
+            else:
+                for i, layer in enumerate(self.layers):
+                    x += self._attention(layer, self._rms_norm(x, layer.attn_norm), b, b.kv_layers[i])
+                    x += self._mlp(layer, self._rms_norm(x, layer.mlp_norm), b.decode_rows)
+                h = self._rms_norm(x if all_logits else x[b.last_rows], self.norm)  # [T or B, hidden]
             logits = self._linear(h, self.lm_head, b.decode_rows, blocks=self._head_blocks)  # [T or B, vocab]
             order = b.token_order if all_logits else b.chunk_order
             return (logits if order is None else logits[order]).float()
@@ -190,20 +207,30 @@ class Model:
         qk = qkv[:, : H + KV]  # [T, H + KV, D], a view of qkv
         if layer.qk_norm is not None:
             qkv[:, : H + KV] = self._rms_norm(qk, layer.qk_norm)
-        rot = qk.roll(D // 2, dims=-1).mul_(b.sin)  # rotary, HF rotate_half convention, in place in qkv
-        qk.mul_(b.cos).add_(rot)
-        slots.index_copy_(0, b.write_slots, qkv[:, H:].view(T, 2, KV, D))  # new tokens' K/V into their slots
-        kv = slots.index_select(0, b.read_slots)  # [S_total, 2, KV, D]
+        if self.decode_attn:
+            kernels.rope_write(qkv, b.cos[:, 0], b.sin[:, 0], slots, b.write_slots)  # the same, in one call
+        else:
+            rot = qk.roll(D // 2, dims=-1).mul_(b.sin)  # rotary, HF rotate_half convention, in place in qkv
+            qk.mul_(b.cos).add_(rot)
+            slots.index_copy_(0, b.write_slots, qkv[:, H:].view(T, 2, KV, D))  # new tokens' K/V into their slots
         q = qkv[:, :H]  # [T, H, D]
+        d = b.decode_rows if self.decode_attn else 0  # decode rows the C kernel serves from the pool directly
+        if d == T:
+            out = kernels.decode_attention(q, slots, b.read_slots, b.decode_starts, x.new_empty(T, H * D))
+            return self._linear(out, layer.o, b.decode_rows)  # [T, hidden]
+        k_from = b.decode_kv if d else 0
+        kv = slots.index_select(0, b.read_slots[k_from:])  # [S_total, 2, KV, D], sequences the kernel does not read
         if len(b.attn) == 1 and b.attn[0].group:  # all decode, one length: the output is the attention result
             out = self._decode_attention(q, kv, b.attn[0])  # [T, H D]
         else:
             out = x.new_empty(T, H * D)
+            if d:
+                kernels.decode_attention(q[:d], slots, b.read_slots[: b.decode_kv], b.decode_starts, out[:d])
             for a in b.attn:
-                if a.group:
+                if not a.group:
+                    out[a.q0 : a.q1] = self._chunk_attention(q[a.q0 : a.q1], kv[a.k0 - k_from : a.k1 - k_from], a)
+                elif not d:
                     out[a.q0 : a.q1] = self._decode_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a)
-                else:
-                    out[a.q0 : a.q1] = self._chunk_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a)
         return self._linear(out, layer.o, b.decode_rows)  # [T, hidden]
 
     def _decode_attention(self, q: torch.Tensor, kv: torch.Tensor, a: _Attn) -> torch.Tensor:
@@ -257,6 +284,7 @@ class Model:
         tokens, positions, reads, writes, attn = [], [], [], [], []
         first_row = [0] * len(chunks)
         q0 = k0 = 0
+        starts = [0]
         for members in groups.values():
             end = chunks[members[0]].start_pos + 1
             for i in members:
@@ -266,6 +294,7 @@ class Model:
                 reads.append(_slots(c.page_ids, end, ps))
                 writes.append(reads[-1][-1:])
             n = len(members)
+            starts.extend(range(k0 + end, k0 + (n + 1) * end, end))
             attn.append(_Attn(q0, q0 + n, k0, k0 + n * end, n, None, False))
             q0, k0 = q0 + n, k0 + n * end
         for i in longer:
@@ -297,7 +326,9 @@ class Model:
             write_slots=torch.from_numpy(np.concatenate(writes)).to(self.device),
             read_slots=torch.from_numpy(np.concatenate(reads)).to(self.device),
             attn=attn,
-            decode_rows=sum(len(g) for g in groups.values()),
+            decode_rows=len(starts) - 1,
+            decode_kv=starts[-1],
+            decode_starts=torch.tensor(starts, dtype=torch.long),
             last_rows=last,
             chunk_order=chunk_order,
             token_order=token_order,
