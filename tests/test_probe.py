@@ -32,6 +32,7 @@ from kvfence.tools.probe import (
     new_canary,
     render_table,
     victim_document,
+    victim_sizes,
 )
 from tests.server import ROOT, Server
 
@@ -77,6 +78,12 @@ def test_token_model_off_the_line_is_an_estimate():
     model = fit_token_model([(20, 50), (40, 75), (80, 110)])
     assert not model.exact and model.per_word == 1.0
     assert not fit_token_model([(20, 60), (80, 180)]).exact  # two tokens per word
+
+
+def test_victims_fill_the_tightest_limit_then_90_percent_of_it():
+    assert victim_sizes(INCIDENT, 32, None) == [1012, 921]
+    assert victim_sizes(Limits(4096, {"decode pool": 16384}), 32, None) == [4052, 3657]
+    assert victim_sizes(Limits(4096), 32, 600) == [600, 600]
 
 
 def test_document_chars_scale_from_the_sample():
@@ -136,8 +143,10 @@ def test_the_receivers_own_words_and_its_own_canaries_are_not_leaks():
     assert classify([own, mine], [ZEBRA], Limits(4096)) == []
 
 
-def test_numbers_and_words_must_stand_alone():
+def test_numbers_and_words_must_stand_alone_punctuation_does_not_hide_them():
     assert classify([reply("44712 zebras")], [ZEBRA], Limits(4096)) == []
+    [dashed] = classify([reply("-The-secret-code-The-secret")], [ZEBRA], Limits(4096))
+    assert "'secret code'" in dashed.detail
 
 
 def test_a_code_names_only_its_owner_shared_fragments_every_other_canary_tenant():
@@ -145,6 +154,18 @@ def test_a_code_names_only_its_owner_shared_fragments_every_other_canary_tenant(
     [one] = classify([reply("MANGO-8123")], [ZEBRA, carol], Limits(4096))
     [shared] = classify([reply("a secret code")], [ZEBRA, carol], Limits(4096))
     assert one.victims == ("key2",) and shared.victims == ("key1", "key2")
+
+
+def test_shared_fragments_name_only_tenants_whose_canary_was_sent_before_the_reply_ended():
+    carol = Canary("key2", "MANGO", "8123")
+    alice_sent = Exchange(1, "pairs", "key1", "victim", "canary", ZEBRA.sentence, 32, canary=ZEBRA.code,
+                          status=200, text="The secret code is ZEBRA-4471.", started=0.0, ended=5.0)
+    carol_later = Exchange(3, "mix", "key2", "victim", "canary", carol.sentence, 32, canary=carol.code,
+                           status=200, text="The secret code is MANGO-8123.", started=20.0, ended=25.0)
+    bob = reply("-The-secret-code-The-secret")
+    bob.started, bob.ended = 6.0, 12.0
+    [leak] = classify([alice_sent, bob, carol_later], [ZEBRA, carol], Limits(4096))
+    assert (leak.receiver, leak.victims, leak.request) == ("key3", ("key1",), 7)
 
 
 def test_an_over_length_200_is_a_wrong_status_a_5xx_a_wrong_status_class_a_400_nothing():
@@ -211,7 +232,7 @@ def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tena
     flags = ("--emulate-incident", "--prefill-pool-tokens", "1024", "--max-context", "4096",
              "--decode-pool-tokens", "1088", "--tenants", tenants)
     with Server(*flags, env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
-        done, report = run_probe(server, tmp_path, "--requests", "16", "--time-limit", "120")
+        done, report = run_probe(server, tmp_path, "--requests", "20", "--time-limit", "150")
     assert done.returncode == EXIT_FINDINGS, done.stdout + done.stderr[-3000:]
     kinds = {f["kind"] for f in report["findings"]}
     assert {"leak", "wrong status"} <= kinds, done.stdout

@@ -33,12 +33,13 @@ import httpx
 from kvfence.tools.audit import UsageError, server_nodes
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
-# Code words: unlikely in the attacker's sea story or the normal prompts' answers (no colours, no sea life).
-WORDS = ("ZEBRA", "QUARTZ", "MANGO", "VIOLIN", "TULIP", "COBALT", "JAGUAR", "PRISM", "CACTUS", "WAFFLE", "GECKO",
-         "BISON", "KIWI", "LYNX", "NUTMEG", "ORCHID", "PEPPER", "QUILL", "SAFFRON", "TOPAZ", "YODEL", "ZINC",
-         "BANJO", "FALAFEL", "IGLOO", "JUNIPER", "KOALA", "LLAMA", "MARZIPAN", "NOODLE", "OCELOT", "PANDA",
-         "RADISH", "SPHINX", "TAPIR", "WOMBAT", "YETI", "ZUCCHINI", "ALPACA", "BAGEL")
-# Every victim document sentence repeats its code; these phrases are shared by all victims' documents.
+# Code words: unlikely in the attacker's sea story or the normal prompts' answers (no colours, no sea life), and
+# of one size in SmolLM2's tokens (``WORD-NNNN`` is 8 tokens), so that victim documents size predictably.
+WORDS = ("QUARTZ", "VIOLIN", "TULIP", "COBALT", "CACTUS", "WAFFLE", "GECKO", "BISON", "ORCHID", "PEPPER", "TOPAZ",
+         "YODEL", "ZINC", "BANJO", "IGLOO", "NOODLE", "OCELOT", "PANDA", "TAPIR", "YETI", "ALPACA", "BAGEL",
+         "CELERY", "TURNIP", "GINGER", "CASHEW", "LEMUR", "BADGER", "FERRET", "GOPHER", "MUFFIN", "TOFFEE",
+         "FUDGE", "APRICOT", "TUBA", "CELLO", "OBOE")
+# Every victim document sentence names its code; these phrases are shared by all victims' documents.
 DOCUMENT_SENTENCE = ("The {code} file: the quarterly report covers logistics, staffing and budgets for the northern "
                      "region.")
 DOCUMENT_FRAGMENTS = ("quarterly report", "northern region", "logistics, staffing")
@@ -47,6 +48,10 @@ SECRET = "secret code"
 ATTACK_WORDS = "tell me a story about the sea and the old man who kept the light on the hill by the bay".split()
 NORMAL_PROMPTS = ("What is the capital of France?", "Count from one to five.", "Name three primary colors.")
 CALIBRATION_WORDS = (20, 40, 80)  # attacker filler lengths measured to learn the token count per word
+# Before calibration: one token per filler word plus a chat template's overhead, and about 4 document characters
+# per token (SmolLM2's, as (document chars, prompt tokens, tokens without document) of a sample).
+ESTIMATED_TOKENS = (30.0, 1.0)
+ESTIMATED_VICTIM_SAMPLE = (4000, 988, 46.0)
 
 
 # -- tenants and canaries ------------------------------------------------------------------------
@@ -213,11 +218,11 @@ def attack_targets(limits: Limits, max_tokens: int, far_over_default: int = 262_
 
 
 def victim_sizes(limits: Limits, max_tokens: int, cap: int | None) -> list[int]:
-    """Victim prompt tokens: 90% of the smallest limit, and filling it up to ``max_tokens`` + 8 (the first is
-    the safer while token counts are still estimates); at most ``cap`` (when given). Without a limit: ``cap``
-    or 1,000."""
-    smallest = limits.smallest
-    sizes = [1000] if smallest is None else [int(0.9 * smallest), smallest - max_tokens - 8]
+    """Victim prompt tokens: filling the tightest limit but 12 tokens (a prefill pool holds the prompt, any other
+    limit prompt + ``max_tokens``), then 90% of it; at most ``cap`` (when given). Without a limit: 1,000."""
+    named = ([("context", limits.context)] if limits.context else []) + list(limits.pools.items())
+    room = min((size - (0 if name.startswith("prefill") else max_tokens) for name, size in named), default=None)
+    sizes = [1000] if room is None else [room - 12, int(0.9 * room)]
     return [min(s, cap) if cap else s for s in sizes]
 
 
@@ -244,7 +249,8 @@ class Exchange:
     text: str | None = None
     prompt_tokens: int | None = None
     error: str | None = None
-    seconds: float = 0.0
+    started: float = 0.0  # seconds since the run began
+    ended: float = 0.0
 
     @property
     def tokens(self) -> int | None:
@@ -267,10 +273,13 @@ class Finding:
 
 
 def _contains(text: str, fragment: str) -> bool:
-    """Case-insensitive; a word or number must stand alone (``4471`` is not in ``44712``)."""
-    if fragment.isalnum():
-        return re.search(rf"(?<![A-Za-z0-9]){re.escape(fragment)}(?![A-Za-z0-9])", text, re.IGNORECASE) is not None
-    return fragment.lower() in text.lower()
+    """Case-insensitive, whole words only (``4471`` is not in ``44712``), any run of non-alphanumerics counting
+    as one space (``secret code`` is in ``-The-secret-code-``)."""
+    return f" {_words(fragment)} " in f" {_words(text)} "
+
+
+def _words(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
 
 
 def specific_fragments(canary: Canary, text: str, own_prompt: str) -> list[str]:
@@ -327,8 +336,10 @@ def incoherence_findings(exchanges: list[Exchange]) -> list[Finding]:
 
 
 def classify(exchanges: list[Exchange], canaries: list[Canary], limits: Limits) -> list[Finding]:
-    """Every finding in ``exchanges``: leaks, wrong statuses, then incoherence."""
-    leaks = [leak_finding(e, canaries) for e in exchanges]
+    """Every finding in ``exchanges``: leaks (from canaries whose request had started before the receiver's
+    ended), wrong statuses, then incoherence."""
+    started = {e.canary: e.started for e in exchanges if e.canary}
+    leaks = [leak_finding(e, [c for c in canaries if started.get(c.code, 0.0) <= e.ended]) for e in exchanges]
     statuses = [status_finding(e, limits) for e in exchanges]
     return [f for f in leaks + statuses if f is not None] + incoherence_findings(exchanges)
 
@@ -463,8 +474,8 @@ class Prober:
         self.canaries: list[Canary] = []
         self.started = time.monotonic()
         self.model = settings.model or ""
-        self.tokens = TokenModel(0, 1, False)
-        self.victim_sample = (0, 0, 0.0)  # (document chars, prompt tokens, tokens of a chat without document)
+        self.tokens = TokenModel(*ESTIMATED_TOKENS, False)
+        self.victim_sample = ESTIMATED_VICTIM_SAMPLE  # (document chars, prompt tokens, tokens without document)
         self.notes: list[str] = []
 
     # budget and transport
@@ -481,7 +492,7 @@ class Prober:
         self.exchanges.append(ex)
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                 "temperature": 0}
-        began = time.monotonic()
+        ex.started = round(time.monotonic() - self.started, 2)
         try:
             resp = await self.client.post("/v1/chat/completions", json=body, timeout=self.s.timeout,
                                           headers={"Authorization": f"Bearer {tenant.key}"})
@@ -489,14 +500,14 @@ class Prober:
             ex.text, ex.prompt_tokens = reply_content(resp)
         except httpx.HTTPError as e:
             ex.error = f"{type(e).__name__}: {e}"
-        ex.seconds = round(time.monotonic() - began, 2)
+        ex.ended = round(time.monotonic() - self.started, 2)
         self.report_progress(ex)
         return ex
 
     def report_progress(self, ex: Exchange) -> None:
         outcome = ex.status if ex.status is not None else ex.error
         print(f"probe: {ex.phase}: #{ex.id} {ex.role} {ex.label} ({ex.tokens or '?'} tokens) -> {outcome} in "
-              f"{ex.seconds:.1f}s; {len(self.exchanges)}/{self.s.requests} requests, "
+              f"{ex.ended - ex.started:.1f}s; {len(self.exchanges)}/{self.s.requests} requests, "
               f"{time.monotonic() - self.started:.0f}/{self.s.time_limit:.0f}s", file=self.progress, flush=True)
 
     # phases
@@ -558,7 +569,7 @@ class Prober:
             if repeated and attempt == 2:
                 break
             canary = self.new_canary(self.victims[attempt % len(self.victims)])
-            chars = sentences * len(DOCUMENT_SENTENCE.format(code=canary.code)) + sentences
+            chars = sentences * len(DOCUMENT_SENTENCE.format(code=canary.code))
             ex = await self.chat(self.tenant(canary.tenant), "calibrate canaries", "calibration",
                                  f"canary{' + document' if chars else ''}", canary_prompt(canary, chars), 32,
                                  canary=canary.code, alone=True)
@@ -567,7 +578,7 @@ class Prober:
             repeated = repeated or _contains(ex.text or "", canary.code)
             if chars == 0 and ex.prompt_tokens:
                 alone_tokens = ex.prompt_tokens
-            elif ex.prompt_tokens and alone_tokens:
+            elif ex.prompt_tokens and alone_tokens and self.victim_sample == ESTIMATED_VICTIM_SAMPLE:
                 self.victim_sample = (len(victim_document(canary, chars)), ex.prompt_tokens, float(alone_tokens))
         return repeated
 
@@ -577,7 +588,7 @@ class Prober:
             await self.chat(self.attacker, "baseline", "normal", f"normal {i + 1}", prompt, self.s.max_tokens,
                             alone=True)
 
-    async def pairs(self, targets: list[Target], sizes: list[int], most: int) -> int:
+    async def pairs(self, targets: list[Target], sizes: list[int], most: int, phase: str = "pairs") -> int:
         """Each target in turn as the attacker, after a victim request has run to its end; a new victim only
         after an attacker was served (a rejected one used no pages). At most ``most`` requests; returns the
         attacks that followed a completed victim."""
@@ -587,8 +598,8 @@ class Prober:
                 break
             if victim is None:
                 n = sum(e.role == "victim" for e in self.exchanges)
-                victim = await self.victim(self.victims[n % len(self.victims)], sizes[n % len(sizes)], "pairs")
-            attack = await self.attack(target, "pairs")
+                victim = await self.victim(self.victims[n % len(self.victims)], sizes[n % len(sizes)], phase)
+            attack = await self.attack(target, phase)
             done += victim is not None and victim.status == 200 and attack is not None
             if attack is None or attack.status is None or attack.status < 400:
                 victim = None
@@ -618,7 +629,7 @@ class Prober:
         if not self.budget_left():
             return None
         canary = self.new_canary(tenant)
-        chars = document_chars_for(tokens, *self.victim_sample) if tokens and self.victim_sample[1] else 0
+        chars = document_chars_for(tokens, *self.victim_sample) if tokens else 0
         ex = await self.chat(tenant, phase, "victim", f"canary + {tokens}-token document" if chars else "canary",
                              canary_prompt(canary, chars), self.s.max_tokens, canary=canary.code)
         if ex is not None and chars and ex.prompt_tokens:
@@ -641,12 +652,14 @@ class Prober:
     async def run(self) -> Report:
         """Every phase in order; the report of what was found."""
         limits = await self.discover()
+        targets = attack_targets(limits, self.s.max_tokens)
+        sizes = victim_sizes(limits, self.s.max_tokens, self.s.victim_tokens)
+        # First, before short requests fill the pool with their own KV: the strongest pair, sizes estimated.
+        pairs = await self.pairs(targets[:1], sizes[:1], most=2, phase="first pair")
         await self.calibrate_tokens()
         repeats = await self.calibrate_canaries()
         await self.baseline()
-        targets = attack_targets(limits, self.s.max_tokens)
-        sizes = victim_sizes(limits, self.s.max_tokens, self.s.victim_tokens)
-        pairs = await self.pairs(targets, sizes, most=max(2, (self.s.requests - len(self.exchanges)) // 2))
+        pairs += await self.pairs(targets, sizes, most=max(2, (self.s.requests - len(self.exchanges)) // 2))
         await self.mix(targets, sizes)
         inconclusive = None
         if not repeats:
