@@ -308,20 +308,31 @@ void kvf_add_rms_norm(uint16_t *x, int64_t ldx, const uint16_t *y, int64_t ldy, 
                       int64_t ldh, int64_t T, int64_t N, float eps, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= 64)
     for (int64_t t = 0; t < T; t++) {
-        uint16_t *xr = x + t * ldx;
-        if (y)
-            for (int64_t j = 0; j < N; j++) xr[j] = f32_to_bf16(bf16_to_f32(xr[j]) + bf16_to_f32(y[t * ldy + j]));
+        uint16_t *xr = x + t * ldx, *hr = h + t * ldh;
+        const int64_t N16 = N / 16 * 16;
+        int64_t j;
+        if (y) {
+            const uint16_t *yr = y + t * ldy;
+            for (j = 0; j < N16; j += 16)
+                _mm256_storeu_si256((__m256i *)(xr + j),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(load_f32(xr + j), load_f32(yr + j))));
+            for (; j < N; j++) xr[j] = f32_to_bf16(bf16_to_f32(xr[j]) + bf16_to_f32(yr[j]));
+        }
         __m512 acc = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 16 <= N; j += 16) {
+        for (j = 0; j < N16; j += 16) {
             __m512 v = load_f32(xr + j);
             acc = _mm512_fmadd_ps(v, v, acc);
         }
         float ss = _mm512_reduce_add_ps(acc);
-        for (; j < N; j++) ss += bf16_to_f32(xr[j]) * bf16_to_f32(xr[j]);
+        for (j = N16; j < N; j++) ss += bf16_to_f32(xr[j]) * bf16_to_f32(xr[j]);
         const float r = 1.0f / sqrtf(ss / (float)N + eps);
-        for (j = 0; j < N; j++)
-            h[t * ldh + j] = f32_to_bf16(bf16_to_f32(w[j]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[j]) * r)));
+        const __m512 rv = _mm512_set1_ps(r);
+        for (j = 0; j < N16; j += 16) {
+            __m256i xn = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load_f32(xr + j), rv));
+            __m512 xf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(xn), 16));
+            _mm256_storeu_si256((__m256i *)(hr + j), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load_f32(w + j), xf)));
+        }
+        for (; j < N; j++) hr[j] = f32_to_bf16(bf16_to_f32(w[j]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[j]) * r)));
     }
 }
 
