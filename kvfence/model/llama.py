@@ -11,6 +11,11 @@ sequences: a batched decode call computes each sequence as its own (batch, head)
 (one query per head, the same key length) as when that sequence is alone, which the tests check bit for bit.
 Nothing a row computes depends on its neighbours or its position in the batch, so the forward is free to reorder
 chunks (decode groups first) and restores the caller's order in the logits.
+
+Fast path (bf16 on CPU, when ``kernels.py`` builds its C library): decode rows' matmuls run on AMX tiles, decode
+attention reads K/V straight from the pool, and residual add + RMSNorm and rotary + K/V write are one call each.
+Each of these computes a row (or a sequence and head) with the same instructions whatever else is in the call, so
+they are batch-invariant by construction; prefill rows keep the calibrated blocks. See docs/performance.md.
 """
 
 from __future__ import annotations
