@@ -20,6 +20,7 @@ from kvfence.tools.probe import (
     Exchange,
     Limits,
     Report,
+    Target,
     Tenant,
     attack_targets,
     attack_text,
@@ -28,6 +29,7 @@ from kvfence.tools.probe import (
     document_chars_for,
     fit_token_model,
     learn_limits,
+    matched,
     must_reject,
     new_canary,
     render_table,
@@ -78,6 +80,15 @@ def test_token_model_off_the_line_is_an_estimate():
     model = fit_token_model([(20, 50), (40, 75), (80, 110)])
     assert not model.exact and model.per_word == 1.0
     assert not fit_token_model([(20, 60), (80, 180)]).exact  # two tokens per word
+
+
+def test_the_attacker_grows_to_one_token_past_a_larger_victim():
+    target = Target("prefill pool + 1", 1025)
+    victim = reply("The secret code is ZEBRA-4471.", role="victim", tokens=1012)
+    victim.completion_tokens = 18
+    assert matched(target, victim) == Target("prefill pool + 1, victim's 1030 + 1", 1031)
+    victim.completion_tokens = 2
+    assert matched(target, victim) == target and matched(target, None) == target
 
 
 def test_victims_fill_the_tightest_limit_then_90_percent_of_it():
@@ -143,8 +154,10 @@ def test_the_receivers_own_words_and_its_own_canaries_are_not_leaks():
     assert classify([own, mine], [ZEBRA], Limits(4096)) == []
 
 
-def test_numbers_and_words_must_stand_alone_punctuation_does_not_hide_them():
+def test_numbers_and_lower_case_words_must_stand_alone_punctuation_does_not_hide_them():
     assert classify([reply("44712 zebras")], [ZEBRA], Limits(4096)) == []
+    [glued] = classify([reply("-The-The ZEBRAHEAVEN-The")], [ZEBRA], Limits(4096))  # seen from SmolLM2
+    assert "'ZEBRA'" in glued.detail
     [dashed] = classify([reply("-The-secret-code-The-secret")], [ZEBRA], Limits(4096))
     assert "'secret code'" in dashed.detail
 
@@ -218,6 +231,7 @@ def run_probe(server: Server, tmp_path, *flags: str) -> tuple[subprocess.Complet
     return done, json.loads(out.read_text()) if out.exists() else {}
 
 
+@pytest.mark.timeout(600)  # a server start and a bounded probe on 2 shared cores
 def test_a_clean_kvfence_server_passes(tenants, tmp_path):
     with Server("--max-context", "4096", "--tenants", tenants, ready_timeout=300) as server:
         done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "90",
@@ -228,11 +242,12 @@ def test_a_clean_kvfence_server_passes(tenants, tmp_path):
     assert statuses["context + 1"] == 400 and statuses["context - max_tokens + 1"] == 400
 
 
+@pytest.mark.timeout(600)
 def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tenants, tmp_path):
     flags = ("--emulate-incident", "--prefill-pool-tokens", "1024", "--max-context", "4096",
              "--decode-pool-tokens", "1088", "--tenants", tenants)
     with Server(*flags, env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
-        done, report = run_probe(server, tmp_path, "--requests", "20", "--time-limit", "150")
+        done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "180")
     assert done.returncode == EXIT_FINDINGS, done.stdout + done.stderr[-3000:]
     kinds = {f["kind"] for f in report["findings"]}
     assert {"leak", "wrong status"} <= kinds, done.stdout

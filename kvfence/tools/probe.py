@@ -179,6 +179,15 @@ class Target:
     tokens: int
 
 
+def matched(target: Target, victim: Exchange | None) -> Target:
+    """``target``, or when the ``victim`` (prompt + completion) outgrew it, one token more than the victim: the
+    attacker's stale region then ends where the victim's KV ends (DESIGN section 6: the strongest signal)."""
+    if victim is None or victim.prompt_tokens is None or victim.completion_tokens is None:
+        return target
+    total = victim.prompt_tokens + victim.completion_tokens
+    return Target(f"{target.label}, victim's {total} + 1", total + 1) if total >= target.tokens else target
+
+
 def must_reject(prompt_tokens: int, max_tokens: int, limits: Limits) -> str | None:
     """Why a request of ``prompt_tokens`` + ``max_tokens`` exceeds ``limits`` (then only a 4xx is right), or
     ``None``. A prefill pool must hold the prompt; the context and any other pool, prompt + max_tokens."""
@@ -248,6 +257,7 @@ class Exchange:
     status: int | None = None
     text: str | None = None
     prompt_tokens: int | None = None
+    completion_tokens: int | None = None
     error: str | None = None
     started: float = 0.0  # seconds since the run began
     ended: float = 0.0
@@ -283,8 +293,12 @@ def _words(text: str) -> str:
 
 
 def specific_fragments(canary: Canary, text: str, own_prompt: str) -> list[str]:
-    """Pieces unique to ``canary`` (its code, word, digits) in ``text`` but not in the receiver's ``own_prompt``."""
-    return [f for f in (canary.code, canary.word, canary.digits) if _contains(text, f) and not _contains(own_prompt, f)]
+    """Pieces unique to ``canary`` (its code, word, digits) in ``text`` but not in the receiver's ``own_prompt``.
+    The upper-case word counts inside a longer word too (``CASHEWHEAVEN``), the digits only on their own."""
+    def found(fragment: str, haystack: str) -> bool:
+        return _contains(haystack, fragment) or (fragment == canary.word and fragment in haystack)
+
+    return [f for f in (canary.code, canary.word, canary.digits) if found(f, text) and not found(f, own_prompt)]
 
 
 def shared_fragments(text: str, own_prompt: str) -> list[str]:
@@ -497,7 +511,7 @@ class Prober:
             resp = await self.client.post("/v1/chat/completions", json=body, timeout=self.s.timeout,
                                           headers={"Authorization": f"Bearer {tenant.key}"})
             ex.status = resp.status_code
-            ex.text, ex.prompt_tokens = reply_content(resp)
+            ex.text, ex.prompt_tokens, ex.completion_tokens = reply_content(resp)
         except httpx.HTTPError as e:
             ex.error = f"{type(e).__name__}: {e}"
         ex.ended = round(time.monotonic() - self.started, 2)
@@ -547,7 +561,8 @@ class Prober:
         return body if resp.status_code == 200 and isinstance(body, dict) else None
 
     async def calibrate_tokens(self) -> None:
-        """Learn the attacker chat's tokens per filler word from the server's ``usage.prompt_tokens``."""
+        """Learn the attacker chat's tokens per filler word from the server's ``usage.prompt_tokens``; raises
+        ``UsageError`` when the server reports none."""
         measured = []
         for words in CALIBRATION_WORDS:
             ex = await self.chat(self.attacker, "calibrate tokens", "calibration", f"{words} words",
@@ -555,7 +570,9 @@ class Prober:
             if ex is not None and ex.prompt_tokens:
                 measured.append((words, ex.prompt_tokens))
         if len(measured) < 2:
-            raise UsageError("the server returned no usage.prompt_tokens: cannot size prompts")
+            if self.budget_left():
+                raise UsageError("the server returned no usage.prompt_tokens: cannot size prompts")
+            return  # the bounds ended the run: keep the estimate
         self.tokens = fit_token_model(measured)
         if not self.tokens.exact:
             self.notes.append(f"attacker prompt sizes are estimates ({self.tokens.per_word:.2f} tokens per word); "
@@ -590,8 +607,8 @@ class Prober:
 
     async def pairs(self, targets: list[Target], sizes: list[int], most: int, phase: str = "pairs") -> int:
         """Each target in turn as the attacker, after a victim request has run to its end; a new victim only
-        after an attacker was served (a rejected one used no pages). At most ``most`` requests; returns the
-        attacks that followed a completed victim."""
+        after an attacker was served (a rejected one used no pages). The first target is ``matched`` to its
+        victim. At most ``most`` requests; returns the attacks that followed a completed victim."""
         done, victim, budget = 0, None, len(self.exchanges) + most
         for target in targets:
             if len(self.exchanges) + (victim is None) >= budget:
@@ -599,15 +616,15 @@ class Prober:
             if victim is None:
                 n = sum(e.role == "victim" for e in self.exchanges)
                 victim = await self.victim(self.victims[n % len(self.victims)], sizes[n % len(sizes)], phase)
-            attack = await self.attack(target, phase)
+            attack = await self.attack(matched(target, victim) if target is targets[0] else target, phase)
             done += victim is not None and victim.status == 200 and attack is not None
             if attack is None or attack.status is None or attack.status < 400:
                 victim = None
         return done
 
-    async def mix(self, targets: list[Target], sizes: list[int]) -> None:
+    async def mix(self, targets: list[Target], sizes: list[int], rounds: int, phase: str = "mix") -> None:
         """Victims (with documents and alone), attackers and normal prompts in flight together, interleaved,
-        ``settings.concurrency`` at a time, until the budget is spent."""
+        ``settings.concurrency`` at a time: ``rounds`` rounds of four, or fewer when the budget runs out."""
         gate = asyncio.Semaphore(self.s.concurrency)
 
         async def gated(make) -> None:
@@ -615,13 +632,13 @@ class Prober:
                 await make()
 
         plan = []
-        for i in range(self.s.requests):
+        for i in range(rounds):
             tenant, normal = self.victims[i % len(self.victims)], i % len(NORMAL_PROMPTS)
-            plan += [partial(self.victim, tenant, sizes[i % len(sizes)], "mix"),
-                     partial(self.chat, self.attacker, "mix", "normal", f"normal {normal + 1}", NORMAL_PROMPTS[normal],
+            plan += [partial(self.victim, tenant, sizes[i % len(sizes)], phase),
+                     partial(self.chat, self.attacker, phase, "normal", f"normal {normal + 1}", NORMAL_PROMPTS[normal],
                              self.s.max_tokens),
-                     partial(self.attack, targets[i % len(targets)], "mix"),
-                     partial(self.victim, tenant, 0, "mix")]
+                     partial(self.attack, targets[i % len(targets)], phase),
+                     partial(self.victim, tenant, 0, phase)]
         await asyncio.gather(*(gated(make) for make in plan))
 
     async def victim(self, tenant: Tenant, tokens: int, phase: str) -> Exchange | None:
@@ -654,13 +671,15 @@ class Prober:
         limits = await self.discover()
         targets = attack_targets(limits, self.s.max_tokens)
         sizes = victim_sizes(limits, self.s.max_tokens, self.s.victim_tokens)
-        # First, before short requests fill the pool with their own KV: the strongest pair, sizes estimated.
+        # First, before calibration fills the pool with its own KV: the strongest pair, then two concurrent rounds
+        # around the strongest target, sizes estimated.
         pairs = await self.pairs(targets[:1], sizes[:1], most=2, phase="first pair")
+        await self.mix(targets[:1], sizes[:1], rounds=2, phase="first mix")
         await self.calibrate_tokens()
         repeats = await self.calibrate_canaries()
         await self.baseline()
         pairs += await self.pairs(targets, sizes, most=max(2, (self.s.requests - len(self.exchanges)) // 2))
-        await self.mix(targets, sizes)
+        await self.mix(targets, sizes, rounds=self.s.requests)
         inconclusive = None
         if not repeats:
             inconclusive = "the model did not repeat a fresh code sent alone, so leaked codes may go unseen"
@@ -670,17 +689,19 @@ class Prober:
                       self.exchanges, self.canaries, classify(self.exchanges, self.canaries, limits), inconclusive)
 
 
-def reply_content(resp: httpx.Response) -> tuple[str | None, int | None]:
-    """``(text, usage.prompt_tokens)`` of a chat completion; for an error, ``(its message, None)``."""
+def reply_content(resp: httpx.Response) -> tuple[str | None, int | None, int | None]:
+    """``(text, usage.prompt_tokens, usage.completion_tokens)`` of a chat completion; for an error, ``(its
+    message, None, None)``."""
     try:
         body = resp.json()
     except ValueError:
-        return resp.text[:2000], None
+        return resp.text[:2000], None, None
     if resp.status_code == 200 and isinstance(body, dict) and body.get("choices"):
         usage = body.get("usage") or {}
-        return body["choices"][0].get("message", {}).get("content"), usage.get("prompt_tokens")
+        text = body["choices"][0].get("message", {}).get("content")
+        return text, usage.get("prompt_tokens"), usage.get("completion_tokens")
     error = body.get("error") if isinstance(body, dict) else None
-    return str(error.get("message") if isinstance(error, dict) else body)[:2000], None
+    return str(error.get("message") if isinstance(error, dict) else body)[:2000], None, None
 
 
 # -- command ----------------------------------------------------------------------------------------------------
