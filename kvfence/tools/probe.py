@@ -228,10 +228,11 @@ def attack_targets(limits: Limits, max_tokens: int, far_over_default: int = 262_
 
 def victim_sizes(limits: Limits, max_tokens: int, cap: int | None) -> list[int]:
     """Victim prompt tokens: filling the tightest limit but 12 tokens (a prefill pool holds the prompt, any other
-    limit prompt + ``max_tokens``), then 90% of it; at most ``cap`` (when given). Without a limit: 1,000."""
+    limit prompt + ``max_tokens``), then 95% and 90% of it; at most ``cap`` (when given). Without a limit:
+    1,000."""
     named = ([("context", limits.context)] if limits.context else []) + list(limits.pools.items())
     room = min((size - (0 if name.startswith("prefill") else max_tokens) for name, size in named), default=None)
-    sizes = [1000] if room is None else [room - 12, int(0.9 * room)]
+    sizes = [1000] if room is None else [room - 12, int(0.95 * room), int(0.9 * room)]
     return [min(s, cap) if cap else s for s in sizes]
 
 
@@ -616,7 +617,7 @@ class Prober:
             if victim is None:
                 n = sum(e.role == "victim" for e in self.exchanges)
                 victim = await self.victim(self.victims[n % len(self.victims)], sizes[n % len(sizes)], phase)
-            attack = await self.attack(matched(target, victim) if target is targets[0] else target, phase)
+            attack = await self.attack(matched(target, victim) if target == targets[0] else target, phase)
             done += victim is not None and victim.status == 200 and attack is not None
             if attack is None or attack.status is None or attack.status < 400:
                 victim = None
@@ -671,9 +672,9 @@ class Prober:
         limits = await self.discover()
         targets = attack_targets(limits, self.s.max_tokens)
         sizes = victim_sizes(limits, self.s.max_tokens, self.s.victim_tokens)
-        # First, before calibration fills the pool with its own KV: the strongest pair, then two concurrent rounds
-        # around the strongest target, sizes estimated.
-        pairs = await self.pairs(targets[:1], sizes[:1], most=2, phase="first pair")
+        # First, before calibration fills the pool with its own KV: the strongest target after victims of three
+        # sizes, then two concurrent rounds around it; sizes estimated.
+        pairs = await self.pairs(targets[:1] * 3, sizes, most=6, phase="first pairs")
         await self.mix(targets[:1], sizes[:1], rounds=2, phase="first mix")
         await self.calibrate_tokens()
         repeats = await self.calibrate_canaries()
