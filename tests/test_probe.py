@@ -60,7 +60,7 @@ def test_canaries_are_fresh_and_their_documents_name_the_code():
     doc = victim_document(ZEBRA, 300)
     assert len(doc) <= 300 and doc.count("ZEBRA-4471") == 3 and not doc.endswith(" ")
     assert canary_prompt(ZEBRA, 0) == ZEBRA.sentence
-    assert canary_prompt(ZEBRA, 300) == doc + "\n" + ZEBRA.sentence
+    assert canary_prompt(ZEBRA, 300) == ZEBRA.sentence + "\n" + doc
 
 
 def test_attack_text_has_the_words_asked_for():

@@ -103,10 +103,11 @@ def victim_document(canary: Canary, chars: int) -> str:
 
 
 def canary_prompt(canary: Canary, document_chars: int) -> str:
-    """The victim's message: its document of about ``document_chars`` characters (none for 0), then its
-    "Repeat exactly" sentence."""
+    """The victim's message: its "Repeat exactly" sentence, then its document of about ``document_chars``
+    characters (none for 0). After a document SmolLM2 goes on repeating it, so the victim's last KV pages, the
+    ones nearest an attacker's query, hold its code too."""
     document = victim_document(canary, document_chars) if document_chars > 0 else ""
-    return f"{document}\n{canary.sentence}" if document else canary.sentence
+    return f"{canary.sentence}\n{document}" if document else canary.sentence
 
 
 def attack_text(words: int) -> str:
@@ -606,15 +607,18 @@ class Prober:
             await self.chat(self.attacker, "baseline", "normal", f"normal {i + 1}", prompt, self.s.max_tokens,
                             alone=True)
 
-    async def pairs(self, targets: list[Target], sizes: list[int], most: int, phase: str = "pairs") -> int:
-        """Each target in turn as the attacker, after a victim request has run to its end; a new victim only
-        after an attacker was served (a rejected one used no pages). The first target is ``matched`` to its
-        victim. At most ``most`` requests; returns the attacks that followed a completed victim."""
+    async def pairs(self, targets: list[Target], sizes: list[int], most: int, phase: str = "pairs",
+                    victims_each: int = 1) -> int:
+        """Each target in turn as the attacker, after ``victims_each`` victim requests (of the canary tenants in
+        turn) have run to their end; new victims only after an attacker was served (a rejected one used no
+        pages). Two victims in a row leave the pages an attacker is granted next full of victims' KV, not of an
+        earlier attacker's. The first target is ``matched`` to the last victim. At most ``most`` requests;
+        returns the attacks that followed a completed victim."""
         done, victim, budget = 0, None, len(self.exchanges) + most
         for target in targets:
-            if len(self.exchanges) + (victim is None) >= budget:
+            if len(self.exchanges) + (victims_each if victim is None else 0) >= budget:
                 break
-            if victim is None:
+            for _ in range(victims_each if victim is None else 0):
                 n = sum(e.role == "victim" for e in self.exchanges)
                 victim = await self.victim(self.victims[n % len(self.victims)], sizes[n % len(sizes)], phase)
             attack = await self.attack(matched(target, victim) if target == targets[0] else target, phase)
@@ -672,9 +676,9 @@ class Prober:
         limits = await self.discover()
         targets = attack_targets(limits, self.s.max_tokens)
         sizes = victim_sizes(limits, self.s.max_tokens, self.s.victim_tokens)
-        # First, before calibration fills the pool with its own KV: the strongest target after victims of three
-        # sizes, then two concurrent rounds around it; sizes estimated.
-        pairs = await self.pairs(targets[:1] * 3, sizes, most=6, phase="first pairs")
+        # First, before calibration fills the pool with its own KV: the strongest target three times, each after
+        # two victims, then two concurrent rounds around it; sizes estimated.
+        pairs = await self.pairs(targets[:1] * 3, sizes, most=9, phase="first pairs", victims_each=2)
         await self.mix(targets[:1], sizes[:1], rounds=2, phase="first mix")
         await self.calibrate_tokens()
         repeats = await self.calibrate_canaries()
