@@ -123,12 +123,17 @@ def test_each_landing_check_alone_stops_the_placeholder(monkeypatch, model, laye
 # -- late writes: L6 prevents them, L3 catches them ------------------------------------------------------
 
 
+def alone(pair: Pair, prompt: list[int]) -> list[int]:
+    """``prompt``'s greedy tokens with nothing else running: the reference a harmed request is compared with."""
+    rid = pair.submit(prompt, max_tokens=8)
+    pair.run([rid])
+    return pair.results[rid].tokens
+
+
 def late_write_scenario(pair: Pair) -> tuple[object, list[int]]:
     """B's KV transfer is in flight when its client leaves; then C arrives, needing B's pages (the decode pool
     holds one request). Returns C's result and C's reference tokens (C alone, before anything else)."""
-    reference = pair.submit(VICTIM, max_tokens=8)
-    pair.run([reference])
-    expected = pair.results[reference].tokens
+    expected = alone(pair, VICTIM)
     pair.hold_writes()
     b = pair.submit(SHORT, max_tokens=8)
     for _ in range(3):
@@ -180,9 +185,7 @@ def test_l7_deferred_abort_lets_the_transfer_finish_before_cancelling(monkeypatc
 
 
 def flipped_byte_scenario(pair: Pair):
-    reference = pair.submit(VICTIM, max_tokens=8)
-    pair.run([reference])
-    expected = pair.results[reference].tokens
+    expected = alone(pair, VICTIM)
     pair.hold_writes()
     rid = pair.submit(VICTIM, max_tokens=8)
     for _ in range(3):
