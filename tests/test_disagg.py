@@ -70,15 +70,14 @@ def workers(server: Server, role: str) -> dict[str, dict]:
 
 
 def test_load_is_spread_and_streams_arrive_in_order(four_workers):
-    client = four_workers.async_client()
-
-    async def stream(i: int) -> list[str]:
+    async def stream(client, i: int) -> list[str]:
         out = await client.completions.create(model="llama", prompt=f"count {i}", max_tokens=24, stream=True,
                                               temperature=0, extra_body={"ignore_eos": True})
         return [c.choices[0].text async for c in out]
 
     async def run():
-        return await asyncio.gather(*(stream(i) for i in range(8)))
+        async with four_workers.async_client() as client:  # closed on this loop, not GC'd on a later one
+            return await asyncio.gather(*(stream(client, i) for i in range(8)))
 
     results = asyncio.run(run())
     sync = four_workers.client()
@@ -90,9 +89,7 @@ def test_load_is_spread_and_streams_arrive_in_order(four_workers):
 
 def test_killed_decode_worker_fails_its_requests_fast_and_comes_back(four_workers):
     victim, info = next(iter(workers(four_workers, "decode").items()))
-    client = four_workers.async_client(timeout=30)
-
-    async def long_stream(i: int):
+    async def long_stream(client, i: int):
         """Returns (outcome, when it ended)."""
         try:
             out = await client.completions.create(model="llama", prompt=f"story {i}", max_tokens=400, stream=True,
@@ -104,11 +101,12 @@ def test_killed_decode_worker_fails_its_requests_fast_and_comes_back(four_worker
             return exc, time.monotonic()
 
     async def run():
-        tasks = [asyncio.create_task(long_stream(i)) for i in range(6)]
-        await asyncio.sleep(3)  # all streaming now
-        assert not any(t.done() for t in tasks)
-        os.kill(info["pid"], signal.SIGKILL)
-        return time.monotonic(), await asyncio.gather(*tasks)
+        async with four_workers.async_client(timeout=30) as client:
+            tasks = [asyncio.create_task(long_stream(client, i)) for i in range(6)]
+            await asyncio.sleep(3)  # all streaming now
+            assert not any(t.done() for t in tasks)
+            os.kill(info["pid"], signal.SIGKILL)
+            return time.monotonic(), await asyncio.gather(*tasks)
 
     killed_at, results = asyncio.run(run())
     failed = [(err, ended - killed_at) for err, ended in results if err != "finished"]

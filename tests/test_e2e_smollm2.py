@@ -89,8 +89,8 @@ def test_sixteen_concurrent_streams_match_their_sequential_answers(server):
         return "".join([c.choices[0].delta.content or "" async for c in out if c.choices])
 
     async def all_at_once():
-        aclient = server.async_client("sk-alice")
-        return await asyncio.gather(*(stream(aclient, p) for p in prompts))
+        async with server.async_client("sk-alice") as aclient:
+            return await asyncio.gather(*(stream(aclient, p) for p in prompts))
 
     assert asyncio.run(all_at_once()) == sequential
 

@@ -238,8 +238,8 @@ async def test_a_client_that_leaves_is_recorded_as_499(tmp_path, stream):
     with AuditLog(path) as audit:
         app = create_app(engine, FakeTokenizer(), tenants(), audit)
         await asyncio.wait_for(app(http_scope("/v1/chat/completions"), receive, send), 10)
-        text = (await httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t").get(
-            "/metrics")).text
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            text = (await client.get("/metrics")).text
     [record] = read_log(path)
     assert (record.tenant, record.status, record.admission, record.error) == ("alice", 499, "accepted", None)
     assert record.output_tokens == 1 and engine.ending == "CancelledError"
