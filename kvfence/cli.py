@@ -40,6 +40,12 @@ def add_pool_args(p: argparse.ArgumentParser, per_role: bool) -> None:
     g.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
 
 
+def add_timeout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--handoff-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds each step of a KV handoff may take (pages granted, transfer done) before the "
+                        "request ends with 503; the router ends a request that hears nothing for 4x this")
+
+
 def add_http_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
@@ -70,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_http_args(serve)
     add_model_args(serve)
     add_pool_args(serve, per_role=True)
+    add_timeout_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     router = sub.add_parser("router", formatter_class=fmt, help="run the router alone (multi-host)",
@@ -78,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--advertise", default=None, help="address workers reach the router at (default: --bind)")
     add_http_args(router)
     add_model_args(router)
+    add_timeout_args(router)
     router.set_defaults(func=cmd_router)
 
     for role in ("prefill", "decode"):
@@ -91,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
             w.add_argument("--emulate-incident", action="store_true", help=argparse.SUPPRESS)
         add_model_args(w)
         add_pool_args(w, per_role=False)
+        add_timeout_args(w)
         w.set_defaults(func=cmd_worker, role=role)
     from kvfence.verify.cli import add_verify_parser
     add_verify_parser(sub)
@@ -214,14 +223,16 @@ def worker_settings(args, role: str, bind: str, router: str, max_context: int, p
         role=role, bind=bind, router=router, model=args.model, dtype=args.dtype, device=args.device,
         max_context=max_context, pool_tokens=pool_tokens, page_size=args.page_size, chunk_size=args.chunk_size,
         max_batch=args.max_batch, transfer=args.transfer, advertise=advertise,
-        emulate_incident=getattr(args, "emulate_incident", False), threads=args.threads, log_level=args.log_level)
+        emulate_incident=getattr(args, "emulate_incident", False), threads=args.threads, log_level=args.log_level,
+        handoff_timeout=args.handoff_timeout)
 
 
 def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int):
     from kvfence.router.remote import RemoteEngine
     from kvfence.safety import Safety
 
-    return RemoteEngine(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected)
+    return RemoteEngine(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected,
+                        silence_timeout=4 * args.handoff_timeout)
 
 
 def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:

@@ -131,7 +131,7 @@ def test_router_core_counts_requests_in_their_handoff():
     core.submit(request(1))
     core.submit(request(2))
     assert core.in_handoff() == 2
-    core.handle("d0", Output(1, [5], "x"))  # the first token: its KV has landed
+    core.handle("d0", Output(1, [5], "x", completion_tokens=1))  # the first token: its KV has landed
     assert core.in_handoff() == 1
 
 

@@ -268,9 +268,42 @@ def test_router_tells_prefills_about_decode_targets_first():
     assert core.worker_up(hello(D, "decode")) == []
     out = core.worker_up(hello(P, "prefill"))
     assert out == [Send(P, Peers({D: {}}))]
-    assert core.worker_up(hello(P, "prefill")) == []  # heartbeat: nothing new
+    holding = Hello(P, "prefill", "tcp://x", {"peers": Peers({D: {}}).digest()}, 1000, 64)
+    assert core.worker_up(holding) == []  # heartbeat of a prefill that holds the Peers: nothing new
     h = Hello("decode-1", "decode", "tcp://y", {"shm": "x"}, 100, 64)
     assert core.worker_up(h) == [Send(P, Peers({D: {}, "decode-1": {"shm": "x"}}))]
+
+
+def test_router_sends_the_peers_again_to_a_prefill_whose_heartbeat_shows_it_missed_them():
+    core = RouterCore(R, max_context=64, safety=SAFE)
+    core.worker_up(hello(D, "decode"))
+    core.worker_up(hello(P, "prefill"))  # this Peers is lost
+    stale = Hello(P, "prefill", "tcp://x", {"peers": Peers({}).digest()}, 1000, 64)
+    assert core.worker_up(stale) == [Send(P, Peers({D: {}}))]
+
+
+def test_router_delivers_each_output_once_in_order_and_a_gap_ends_the_request_with_503():
+    core = router_core()
+    core.submit(request())
+    first = Output(RID, [5], "a", completion_tokens=1)
+    assert core.handle(D, first) == [Deliver(RID, output=first)]
+    assert core.handle(D, first) == []  # duplicated on the way: delivered once
+    [cancel, deliver] = core.handle(D, Output(RID, [7], "c", completion_tokens=3))  # token 2 was lost
+    assert cancel == Send(D, Cancel(RID)) and deliver.error.status == 503 and deliver.error.code == "output_lost"
+    assert core.reqs == {} and core.handle(D, Output(RID, [8], "d", "stop", completion_tokens=4)) == []
+
+
+def test_router_ends_a_request_that_hears_nothing_for_the_silence_timeout():
+    core = router_core()
+    core.silence_timeout = 10.0
+    core.submit(request())
+    assert core.tick(0.0) == [] and core.tick(9.0) == []
+    out = Output(RID, [5], "a", completion_tokens=1)
+    core.handle(D, out)  # word from decode: the clock starts again
+    assert core.tick(15.0) == [] and core.tick(24.0) == []
+    [cancel, deliver] = core.tick(25.5)
+    assert cancel == Send(D, Cancel(RID)) and deliver.error.status == 503 and deliver.error.code == "worker_silent"
+    assert core.reqs == {}
 
 
 def test_router_sends_admit_and_prefill_to_the_least_loaded_pair():
@@ -299,14 +332,15 @@ def test_router_without_propagation_ignores_prefill_errors():
     core = router_core(unsafe("propagation"))
     core.submit(request())
     assert core.handle(P, Reject(RID, ErrorInfo(400, "x", "no"), P)) == []
-    assert core.handle(D, Output(RID, [5], "leak", "stop")) == [Deliver(RID, output=Output(RID, [5], "leak", "stop"))]
+    leak = Output(RID, [5], "leak", "stop", completion_tokens=1)
+    assert core.handle(D, leak) == [Deliver(RID, output=leak)]
 
 
 def test_router_defers_cancel_until_handoff_ends():
     core = router_core()
     core.submit(request())
     assert core.client_gone(RID) == []
-    assert core.handle(D, Output(RID, [5], "x")) == [Send(D, Cancel(RID))]
+    assert core.handle(D, Output(RID, [5], "x", completion_tokens=1)) == [Send(D, Cancel(RID))]
     assert core.reqs == {}
 
 
@@ -360,7 +394,8 @@ def test_router_keeps_a_restarted_prefill_and_its_requests():
     core = router_core()
     core.workers[P].hello = Hello(P, "prefill", "tcp://x", {}, 1000, 64, pid=41)
     core.submit(request())
-    assert core.worker_up(Hello(P, "prefill", "tcp://x", {}, 1000, 64, pid=42)) == []
+    out = core.worker_up(Hello(P, "prefill", "tcp://x", {}, 1000, 64, pid=42))
+    assert [(a.to, type(a.msg)) for a in out] == [(P, Peers)]  # the new process holds no Peers yet
     assert RID in core.reqs
 
 

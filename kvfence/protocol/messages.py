@@ -16,6 +16,7 @@ Flow (decode first, as in DESIGN section 4):
 
 from __future__ import annotations
 
+import hashlib
 from typing import Union
 
 import msgspec
@@ -159,7 +160,7 @@ class Hello(Msg, frozen=True):
     worker: str
     role: str  # "prefill" | "decode"
     control: str  # ZeroMQ address this worker's inbox is bound to
-    data: dict  # data-plane descriptor (decode: its KV target; prefill: {})
+    data: dict  # decode: its data-plane descriptor (KV target); prefill: {"peers": digest of the Peers it holds}
     pool_tokens: int
     max_context: int
     free_pages: int = 0
@@ -174,6 +175,10 @@ class Peers(Msg, frozen=True):
     """Router -> prefill: the live decode workers and their data-plane descriptors (sent before any use)."""
 
     decodes: dict[str, dict]
+
+    def digest(self) -> str:
+        """A short fingerprint; a prefill's Hello carries the one it holds, so the router can resend a lost Peers."""
+        return hashlib.blake2b(msgspec.json.encode(self.decodes, order="sorted"), digest_size=8).hexdigest()
 
 
 class WorkerDown(Msg, frozen=True):

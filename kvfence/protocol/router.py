@@ -16,6 +16,11 @@ Contracts:
 - Every request ends exactly once: with a finished output or an error.
 - A drained worker is never picked for a new request; its requests in flight
   go on as before. With every worker of a role drained, a new request gets 503.
+- Outputs are delivered in order, each once: a repeated one is ignored, and a
+  gap (an output lost on the way) ends the request with a 503, never a 200
+  with tokens missing.
+- A request that hears nothing from its workers for ``silence_timeout``
+  seconds (``tick``) ends with a 503; a lost message never hangs a client.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ class RouterReq:
     decode: str
     state: RState = RState.HANDOFF
     cancel_pending: bool = False
+    delivered: int = 0  # completion tokens delivered so far
+    heard: bool = True  # a message arrived since the last tick
+    quiet_since: float | None = None
 
 
 @dataclass
@@ -53,8 +61,9 @@ class WorkerInfo:
 
 
 class RouterCore:
-    def __init__(self, me: str, max_context: int, safety: Safety) -> None:
+    def __init__(self, me: str, max_context: int, safety: Safety, silence_timeout: float = 120.0) -> None:
         self.me, self.max_context, self.safety = me, max_context, safety
+        self.silence_timeout = silence_timeout
         self.reqs: dict[int, RouterReq] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.drained: set[str] = set()  # worker ids; kept across a worker's death, so a restart stays drained
@@ -90,6 +99,19 @@ class RouterCore:
         self._end(req)
         return [Send(req.decode, Cancel(rid))]
 
+    def tick(self, now: float) -> list[Action]:
+        """End every request that has heard nothing from its workers for ``silence_timeout`` seconds."""
+        actions: list[Action] = []
+        for req in list(self.reqs.values()):
+            if req.heard or req.quiet_since is None:
+                req.heard, req.quiet_since = False, now
+            elif now - req.quiet_since > self.silence_timeout:
+                self._end(req)
+                err = ServiceUnavailable(f"no word from workers {req.prefill} and {req.decode} for "
+                                         f"{self.silence_timeout:.0f}s", code="worker_silent")
+                actions += [Send(req.decode, Cancel(req.rid)), Deliver(req.rid, error=err)]
+        return actions
+
     # -- workers -----------------------------------------------------------------
 
     def handle(self, sender: str, msg: Message) -> list[Action]:
@@ -103,7 +125,8 @@ class RouterCore:
         return []
 
     def worker_up(self, hello: Hello) -> list[Action]:
-        """A Hello (first or heartbeat). Prefill workers learn of new decode targets before any request names them.
+        """A Hello (first or heartbeat). Prefill workers learn of new decode targets before any request names them,
+        and get the Peers again whenever their Hello shows they hold stale ones.
 
         A known decode worker with a new pid is a new process under the old id, restarted before its death was
         noticed: the old one goes through ``worker_down`` first, so its requests end and every prefill hears of
@@ -119,10 +142,11 @@ class RouterCore:
             self.workers[hello.worker] = WorkerInfo(hello)
         else:
             info.hello = hello
-        if not news:
-            return []
-        prefills = [hello.worker] if hello.role == "prefill" else self._role("prefill")
-        return actions + [Send(p, self._peers()) for p in prefills]
+        peers = self._peers()
+        if hello.role == "prefill":  # anti-entropy: a prefill whose Peers went missing gets them again
+            stale = hello.data.get("peers") != peers.digest()
+            return actions + ([Send(hello.worker, peers)] if stale else [])
+        return actions + ([Send(p, peers) for p in self._role("prefill")] if news else [])
 
     def worker_down(self, worker: str) -> list[Action]:
         """``worker`` died: its requests end with a 503 now; their other legs are cancelled."""
@@ -143,6 +167,16 @@ class RouterCore:
         req = self.reqs.get(msg.rid)
         if req is None or sender != req.decode:
             return []
+        req.heard = True
+        first = msg.completion_tokens - len(msg.token_ids)  # tokens before this output's
+        if first < req.delivered:
+            return []  # a duplicate
+        if first > req.delivered:  # an output was lost: never stream on with tokens missing
+            self._end(req)
+            err = ServiceUnavailable(f"lost part of the output stream (token {req.delivered} of {first})",
+                                     code="output_lost")
+            return [Send(req.decode, Cancel(req.rid))] + ([] if req.cancel_pending else [Deliver(req.rid, error=err)])
+        req.delivered = msg.completion_tokens
         actions: list[Action] = []
         if req.cancel_pending:  # the client left during the handoff, which has now ended
             self._end(req)

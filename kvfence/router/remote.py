@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 
 from kvfence.core import FinishReason, Request, RequestOutput
+from kvfence.faults import Faults
 from kvfence.protocol.actions import Action, Deliver, Send
 from kvfence.protocol.messages import Hello, Output
 from kvfence.protocol.router import RouterCore, WorkerInfo
@@ -32,11 +33,14 @@ POLL_MIN_S, POLL_MAX_S = 0.0005, 0.01
 
 class RemoteEngine:
     def __init__(self, bind: str, model_name: str, max_context: int, safety: Safety, advertise: str | None = None,
-                 expected_workers: int = 0) -> None:
-        self.channel = Channel(bind, advertise)
+                 expected_workers: int = 0, silence_timeout: float = 120.0) -> None:
+        faults = Faults.from_env()
+        if faults:
+            log.warning("KVFENCE_FAULTS: injecting faults (%s)", faults.describe())
+        self.channel = Channel(bind, advertise, faults)
         self.me = self.channel.me
         self.model_name, self.max_context = model_name, max_context
-        self.core = RouterCore(self.me, max_context, safety)
+        self.core = RouterCore(self.me, max_context, safety, silence_timeout)
         self.expected_workers = expected_workers
         self._sinks: dict[int, asyncio.Queue] = {}
         self.assigned: dict[str, int] = {}  # requests sent to each worker since start
@@ -162,9 +166,11 @@ class RemoteEngine:
                 self._do(self.core.handle(env.sender, env.msg))
 
     async def _watch(self) -> None:
+        """Declare silent workers dead, and end requests that heard nothing for too long."""
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
+            self._do(self.core.tick(now))
             for worker, seen in list(self._last_seen.items()):
                 if now - seen > HEARTBEAT_TIMEOUT_S:
                     log.error("worker %s silent for %.1fs: declaring it dead", worker, now - seen)

@@ -9,17 +9,22 @@ with timeouts and ``peer_down``.
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 
+from kvfence.faults import Faults, FaultyLink
 from kvfence.protocol.messages import BadMessage, Envelope, Message, decode_message, encode_message
 
 log = logging.getLogger(__name__)
 
 
 class Channel:
-    def __init__(self, bind: str, me: str | None = None) -> None:
-        """Bind the inbox at ``bind`` (``tcp://host:0`` picks a port); ``me`` is the id peers reach us by."""
+    def __init__(self, bind: str, me: str | None = None, faults: Faults | None = None) -> None:
+        """Bind the inbox at ``bind`` (``tcp://host:0`` picks a port); ``me`` is the id peers reach us by.
+
+        ``faults`` (soak tests only) drops, duplicates and delays what this channel sends.
+        """
         self.ctx = zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
@@ -30,9 +35,19 @@ class Channel:
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.num_bad = 0
+        self.faults = FaultyLink(faults, self.me) if faults else None
 
     def send(self, to: str, msg: Message) -> None:
         """Queue ``msg`` for ``to``; never blocks (a full or dead peer drops it)."""
+        data = encode_message(self.me, msg)
+        if self.faults is None:
+            self._push(to, data)
+            return
+        now = time.monotonic()
+        for peer, payload in self.faults.due(now) + self.faults.outgoing(to, data, now):
+            self._push(peer, payload)
+
+    def _push(self, to: str, data: bytes) -> None:
         sock = self.outboxes.get(to)
         if sock is None:
             sock = self.ctx.socket(zmq.PUSH)
@@ -41,12 +56,17 @@ class Channel:
             sock.connect(to)
             self.outboxes[to] = sock
         try:
-            sock.send(encode_message(self.me, msg), zmq.NOBLOCK)
+            sock.send(data, zmq.NOBLOCK)
         except zmq.Again:
             log.warning("control message to %s dropped: its queue is full", to)
 
     def receive(self, timeout_ms: int) -> list[Envelope]:
         """Everything waiting in the inbox, waiting up to ``timeout_ms`` for the first message."""
+        if self.faults is not None:
+            for peer, payload in self.faults.due(time.monotonic()):
+                self._push(peer, payload)
+            if self.faults.held:
+                timeout_ms = min(timeout_ms, 10)
         if not self.poller.poll(timeout_ms):
             return []
         envelopes = []

@@ -19,6 +19,7 @@ import zmq
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import Engine
+from kvfence.faults import Faults
 from kvfence.kvcache.layout import KVLayout
 from kvfence.kvcache.pool import KVPool
 from kvfence.protocol.actions import Action, Send
@@ -52,6 +53,7 @@ class WorkerSettings:
     emulate_incident: bool = False
     threads: int = 0
     log_level: str = "INFO"
+    handoff_timeout: float = 30.0  # each handoff step (decode: pages, then Done; prefill: Dest) may take this long
 
 
 class WorkerBase:
@@ -62,11 +64,12 @@ class WorkerBase:
 
         self.settings = settings
         self.safety = Safety.from_env()
+        self.faults = Faults.from_env()
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self.dtype = getattr(torch, settings.dtype)
         self.loaded = load_model(settings.model, dtype=self.dtype, device=settings.device)
-        self.channel = Channel(settings.bind, settings.advertise)
+        self.channel = Channel(settings.bind, settings.advertise, self.faults)
         self.me = self.channel.me
 
     # -- setup helpers --------------------------------------------------------------
@@ -122,6 +125,8 @@ class WorkerBase:
         banner = self.safety.banner()
         if banner:
             print(banner, file=sys.stderr, flush=True)
+        if self.faults:
+            log.warning("KVFENCE_FAULTS: injecting faults (%s)", self.faults.describe())
         log.info("%s worker %s ready (pool %d tokens, transfer %s)", self.role, self.me, self.settings.pool_tokens,
                  self.settings.transfer)
         self._latest_hello = self.hello()

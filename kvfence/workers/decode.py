@@ -8,17 +8,21 @@ scheduler share one page table.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.engine.engine import Engine
+from kvfence.faults import flip_one_byte
 from kvfence.kvcache.layout import check_landing
 from kvfence.kvcache.pages import PageGrant
 from kvfence.protocol.actions import Action, StartDecode, StopDecode
 from kvfence.protocol.decode import DecodeCore, DecodeLimits
 from kvfence.protocol.messages import ErrorInfo, Hello, Output, Reject, WorkerDown
 from kvfence.workers.common import WorkerBase, WorkerSettings
+
+log = logging.getLogger(__name__)
 
 
 class DecodeWorker(WorkerBase):
@@ -33,9 +37,11 @@ class DecodeWorker(WorkerBase):
         pool = self.make_pool(settings.pool_tokens, self.target.buffer)
         self._engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
                               self.dtype, pool=pool, safety=self.safety, remote_writes=True)
-        limits = DecodeLimits(settings.max_context, settings.page_size)
+        timeout = settings.handoff_timeout
+        limits = DecodeLimits(settings.max_context, settings.page_size, timeout, abort_timeout=min(10.0, timeout / 3))
         self.core = DecodeCore(self.me, settings.router, self._engine.pages, limits, self.safety, self._verify)
         self.verified: dict[int, str] = {}  # rid -> how its landing was verified, for its last Output
+        self.flip_random = self.faults.rng("flip") if self.faults and self.faults.flip else None
 
     @property
     def engine(self) -> Engine:
@@ -80,12 +86,21 @@ class DecodeWorker(WorkerBase):
 
     def _verify(self, rid: int, grants: list[PageGrant], expected_tokens: int, checksum: int) -> str | None:
         s = self.safety
+        if self.flip_random is not None and self.flip_random.random() < self.faults.flip:
+            self._flip_landed_byte(grants[0].page, min(expected_tokens, self.settings.page_size))
         problem = check_landing(self._engine.pool.region, rid, [(g.page, g.epoch) for g in grants], expected_tokens,
                                 checksum, tags=s.tags, coverage=s.coverage, checksum=s.checksum)
         if problem is None:
             skipped = [layer for layer in ("tags", "coverage", "checksum") if layer in s.disabled]
             self.verified[rid] = f"ok (skipped: {', '.join(skipped)})" if skipped else "ok"
         return problem
+
+    def _flip_landed_byte(self, page: int, tokens: int) -> None:
+        """Fault injection: corrupt one byte of what landed in ``page``, as a faulty link or NIC would."""
+        layout = self._engine.pool.layout
+        offset = flip_one_byte(self.target.buffer, layout.page_offset(page), tokens * layout.token_bytes,
+                               self.flip_random)
+        log.warning("KVFENCE_FAULTS: flipped byte %d of landed page %d", offset, page)
 
     def to_message(self, out: RequestOutput) -> Output | Reject:
         """The engine's output as a message; the last one carries its pages and how they were verified."""

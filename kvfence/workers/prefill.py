@@ -153,10 +153,12 @@ class PrefillWorker(WorkerBase):
         self.runner = PrefillRunner(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
                                     self.dtype, pool=self.make_pool(settings.pool_tokens, self.initiator.buffer),
                                     initiator=self.initiator)
-        limits = PrefillLimits(settings.max_context, settings.pool_tokens, settings.page_size)
+        timeout = settings.handoff_timeout
+        limits = PrefillLimits(settings.max_context, settings.pool_tokens, settings.page_size, timeout,
+                               orphan_dest_timeout=min(5.0, timeout / 6))
         self.core = PrefillCore(self.me, settings.router, limits, self.safety, settings.emulate_incident)
         self.decodes: dict[str, dict] = {}
-        self.prompts: dict[int, Request] = {}
+        self.peers_digest = Peers({}).digest()
 
     @property
     def engine(self) -> Engine:
@@ -166,16 +168,19 @@ class PrefillWorker(WorkerBase):
         sched = self.runner.scheduler
         queued = sum(s.req.prompt_len - s.num_computed for s in (*sched.waiting, *sched.running))
         pages = self.runner.pages
-        return Hello(self.me, self.role, self.me, {}, self.settings.pool_tokens, self.settings.max_context,
-                     free_pages=pages.num_free, queued_tokens=queued, running=len(sched.running),
-                     pid=os.getpid(), quarantined_pages=pages.num_quarantined, total_pages=pages.num_pages)
+        return Hello(self.me, self.role, self.me, {"peers": self.peers_digest}, self.settings.pool_tokens,
+                     self.settings.max_context, free_pages=pages.num_free, queued_tokens=queued,
+                     running=len(sched.running), pid=os.getpid(), quarantined_pages=pages.num_quarantined,
+                     total_pages=pages.num_pages)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, Peers):
             self.decodes = dict(msg.decodes)
+            self.peers_digest = msg.digest()
             return []
         if isinstance(msg, WorkerDown):
             self.decodes.pop(msg.worker, None)
+            self.peers_digest = Peers(self.decodes).digest()
             return self.core.peer_down(msg.worker)
         return self.core.handle(sender, msg, now)
 
