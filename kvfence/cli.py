@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_audit_parsers(sub)
     from kvfence.tools.probe import add_probe_parser
     add_probe_parser(sub)
+    from kvfence.tools.soak import add_soak_parser
+    add_soak_parser(sub)
     return parser
 
 

@@ -16,7 +16,7 @@ Contracts:
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -71,6 +71,10 @@ class PageTable:
     @property
     def num_quarantined(self) -> int:
         return len(self.quarantine_reason)
+
+    def quarantine_reasons(self) -> dict[str, int]:
+        """Reason -> how many pages are quarantined for it."""
+        return dict(Counter(self.quarantine_reason.values()))
 
     @property
     def num_used(self) -> int:

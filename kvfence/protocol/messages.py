@@ -169,6 +169,7 @@ class Hello(Msg, frozen=True):
     pid: int = 0
     quarantined_pages: int = 0
     total_pages: int = 0
+    quarantine_reasons: dict[str, int] = {}  # reason -> pages quarantined for it
 
 
 class Peers(Msg, frozen=True):

@@ -56,7 +56,8 @@ class DecodeWorker(WorkerBase):
         return Hello(self.me, self.role, self.me, data, self.settings.pool_tokens,
                      self.settings.max_context, free_pages=pages.num_free,
                      queued_tokens=len(self.core.waiting), running=len(sched.running), pid=os.getpid(),
-                     quarantined_pages=pages.num_quarantined, total_pages=pages.num_pages)
+                     quarantined_pages=pages.num_quarantined,
+                     quarantine_reasons=pages.quarantine_reasons(), total_pages=pages.num_pages)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, WorkerDown):

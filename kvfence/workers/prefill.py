@@ -171,6 +171,7 @@ class PrefillWorker(WorkerBase):
         return Hello(self.me, self.role, self.me, {"peers": self.peers_digest}, self.settings.pool_tokens,
                      self.settings.max_context, free_pages=pages.num_free, queued_tokens=queued,
                      running=len(sched.running), pid=os.getpid(), quarantined_pages=pages.num_quarantined,
+                     quarantine_reasons=pages.quarantine_reasons(),
                      total_pages=pages.num_pages)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
