@@ -66,7 +66,7 @@ class SoakSettings:
     kills: int = 4  # workers SIGKILLed, alternating prefill and decode
     disconnect: float = 0.05  # share of requests whose client leaves mid-handoff, and again mid-stream
     max_tokens: int = 16
-    handoff_timeout: float = 10.0
+    handoff_timeout: float = 30.0  # as kvfence serve
     timeout: float = 120.0  # seconds a client waits for its whole answer
     seed: int | None = None
     serve_args: tuple[str, ...] = ()
@@ -596,6 +596,7 @@ def add_soak_parser(sub) -> None:
 
 def cmd_soak(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_USAGE))  # unwind, so that the servers are stopped
     settings = SoakSettings(args.requests, args.concurrency, args.tenants, args.model, args.max_context, args.faults,
                             args.kills, args.disconnect, args.max_tokens, args.handoff_timeout, args.timeout,
                             args.seed, tuple(args.serve_args.split()), os.environ.get("KVFENCE_UNSAFE", ""))
