@@ -1,7 +1,8 @@
 """What the safety layers' own work costs, timed inside one process on the real SmolLM2.
 
 End-to-end A/B runs (bench/safety_overhead.py) swing by more than 1% on a shared machine, so this measures the
-layers' work directly, as a share of the work it guards, in the same run:
+layers' work directly, as a share of the work it guards, in the same run. Torch runs on one thread (the
+caller's), and every figure is that thread's CPU time, so time spent descheduled by other load does not count:
 
 - **per decode step** (L3): the engine's check of every page a step reads, against the page table and the
   pages' tag records (``Engine._verify``, stamping included), over the whole step, at batch 1, 16 and 64;
@@ -35,6 +36,7 @@ from kvfence.model.loader import load_model  # noqa: E402
 from kvfence.safety import Safety  # noqa: E402
 
 DECODE_STEPS = 48
+clock = time.thread_time  # CPU time of this thread: time spent descheduled on a shared machine does not count
 
 
 def make_engine(loaded, pool_tokens: int, max_context: int, safety: Safety | None = None) -> Engine:
@@ -62,11 +64,11 @@ def timed_verify(engine: Engine) -> list[float]:
     inner = engine._verify
 
     def verify(work):
-        t = time.perf_counter()
+        t = clock()
         try:
             return inner(work)
         finally:
-            spent.append(time.perf_counter() - t)
+            spent.append(clock() - t)
 
     engine._verify = verify
     return spent
@@ -75,10 +77,10 @@ def timed_verify(engine: Engine) -> list[float]:
 def decode_step_cost(loaded, batch: int) -> dict:
     engine = decoding_engine(loaded, batch, DECODE_STEPS)
     spent = timed_verify(engine)
-    t = time.perf_counter()
+    t = clock()
     for _ in range(DECODE_STEPS):
         engine.step()
-    step_s = (time.perf_counter() - t) / DECODE_STEPS
+    step_s = (clock() - t) / DECODE_STEPS
     verify_s = sum(spent) / len(spent)
     return {"batch": batch, "step_ms": step_s * 1e3, "l3_us": verify_s * 1e6, "share": verify_s / step_s}
 
@@ -90,10 +92,10 @@ def decode_ab(loaded, batch: int, rounds: int, block: int = 4) -> dict:
     spent = {"on": 0.0, "off": 0.0}
     for _ in range(rounds):
         for mode, engine in engines.items():
-            t = time.perf_counter()
+            t = clock()
             for _ in range(block):
                 engine.step()
-            spent[mode] += time.perf_counter() - t
+            spent[mode] += clock() - t
     n = rounds * block
     return {"batch": batch, "steps": n, "on_ms": spent["on"] / n * 1e3, "off_ms": spent["off"] / n * 1e3,
             "cost": spent["on"] / spent["off"] - 1}
@@ -104,24 +106,24 @@ def transfer_cost(loaded, tokens: int) -> dict:
     rid = 99
     prompt = [(j * 13) % 1000 + 100 for j in range(tokens)]
     engine.add(Request(prompt, SamplingParams(max_tokens=2), "t", rid=rid))
-    t = time.perf_counter()
+    t = clock()
     while not engine.seqs[rid].req.output_ids:
         engine.step()
-    prefill_s = time.perf_counter() - t
+    prefill_s = clock() - t
     region, ps = engine.pool.region, engine.config.page_size
     grants = [(g.page, g.epoch) for g in engine.seqs[rid].grants]
     counts = tokens_per_page(tokens, ps, len(grants))
-    t = time.perf_counter()
+    t = clock()
     sums = []
     for (page, epoch), n in zip(grants, counts, strict=True):  # what prefill adds per page (PrefillRunner._ship)
         checksum = region.page_checksum(page, n)
         region.write_tag(page, rid, epoch, page, n, checksum)
         sums.append(checksum)
-    send_s = time.perf_counter() - t
-    t = time.perf_counter()
+    send_s = clock() - t
+    t = clock()
     problem = check_landing(region, rid, grants, tokens, transfer_checksum(sums), tags=True, coverage=True,
                             checksum=True)
-    land_s = time.perf_counter() - t
+    land_s = clock() - t
     assert problem is None, problem
     return {"tokens": tokens, "prefill_ms": prefill_s * 1e3, "tag_and_sum_ms": send_s * 1e3,
             "check_landing_ms": land_s * 1e3, "share": (send_s + land_s) / prefill_s}
@@ -132,6 +134,7 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/safety_cost.json")
     ap.add_argument("--rounds", type=int, default=12, help="alternations of the on/off decode A/B")
     args = ap.parse_args()
+    torch.set_num_threads(1)
     print("loading SmolLM2...", file=sys.stderr, flush=True)
     loaded = load_model("smollm2-135m", dtype=torch.bfloat16)
     steps = []
