@@ -89,7 +89,7 @@ class PrefillCore:
                 actions.append(self._reject(req.rid, err))
                 del self.reqs[req.rid]
             elif req.state is PState.WAIT_PREFILL:
-                err = KvfenceError("no such request on this prefill worker")
+                err = ServiceUnavailable("no such request on this prefill worker (its Prefill was lost)")
                 actions.append(Send(req.decode, Fail(req.rid, ErrorInfo.of(err))))
                 del self.reqs[req.rid]
         return actions

@@ -67,7 +67,7 @@ class SoakSettings:
     disconnect: float = 0.05  # share of requests whose client leaves mid-handoff, and again mid-stream
     max_tokens: int = 16
     handoff_timeout: float = 30.0  # as kvfence serve
-    timeout: float = 120.0  # seconds a client waits for its whole answer
+    timeout: float = 180.0  # seconds a client waits for its whole answer (past the router's 4 x handoff timeout)
     seed: int | None = None
     serve_args: tuple[str, ...] = ()
     unsafe: str = ""  # KVFENCE_UNSAFE for the server under faults (mutation rows)
@@ -411,7 +411,10 @@ class Soak:
             while not health.get("transfers_in_flight") and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
                 health = (await client.get("/health")).json()
-            worker, pid = self.rng.choice([(w, i["pid"]) for w, i in health["workers"].items() if i["role"] == role])
+            victims = [(w, i["pid"]) for w, i in health["workers"].items() if i["role"] == role]
+            if not victims:  # none up at this moment (one died of a fault): pick the next kind
+                continue
+            worker, pid = self.rng.choice(victims)
             os.kill(pid, signal.SIGKILL)
             serving.clear()
             in_flight = health.get("transfers_in_flight", 0)
