@@ -87,13 +87,13 @@ class FaultyLink:
             return []
         copies = 2 if r.random() < f.dup else 1
         self.counts["duplicated"] += copies - 1
+        behind = self._latest_due(to)  # anything held for this peer goes first
         if r.random() < f.delay:
             self.counts["delayed"] += 1
-            self._hold(to, data, now + r.uniform(0, f.delay_s), copies)
+            self._hold(to, data, max(now + r.uniform(0, f.delay_s), behind or 0.0), copies)
             return []
-        if self.held_per_peer.get(to):
-            latest = max(h.due for h in self.held if h.to == to)
-            self._hold(to, data, latest, copies)
+        if behind is not None:
+            self._hold(to, data, behind, copies)
             return []
         return [(to, data)] * copies
 
@@ -104,6 +104,11 @@ class FaultyLink:
             self.held_per_peer[h.to] -= 1
             out.append((h.to, h.data))
         return out
+
+    def _latest_due(self, to: str) -> float | None:
+        if not self.held_per_peer.get(to):
+            return None
+        return max(h.due for h in self.held if h.to == to)
 
     def _hold(self, to: str, data: bytes, due: float, copies: int) -> None:
         for _ in range(copies):

@@ -43,6 +43,16 @@ def test_a_delayed_message_holds_back_later_ones_to_the_same_peer_only():
     assert link.outgoing("a", b"4", due) == [("a", b"4")]
 
 
+def test_every_link_stays_in_order_however_long_each_delay():
+    link = FaultyLink(Faults(delay=0.5, delay_s=1.0, seed=11), "me")
+    sent = [m for i in range(500) for m in link.outgoing("abc"[i % 3], i.to_bytes(2, "big"), i * 0.001)]
+    sent += link.due(10.0)
+    assert link.counts["delayed"] > 100 and len(sent) == 500
+    for peer in "abc":
+        order = [int.from_bytes(d, "big") for p, d in sent if p == peer]
+        assert order == sorted(order)
+
+
 def test_seeded_links_repeat_but_two_processes_differ():
     def fates(salt: str) -> list[int]:
         link = FaultyLink(Faults(drop=0.5, seed=9), salt)

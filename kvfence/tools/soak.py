@@ -503,7 +503,7 @@ class Soak:
         """Each worker's pid changes once per kill of it; more changes mean a crash (e.g. a failed integrity check)."""
         kills = Counter(k["worker"] for k in self.report.kills)
         for worker, pid in after.items():
-            if pid != before.get(worker) and not kills[worker]:
+            if before.get(worker) not in (None, pid) and not kills[worker]:  # None: it joined after the start
                 self.find("unexpected restart", f"worker {worker} restarted (pid {before.get(worker)} -> {pid}) "
                                                 "though the soak did not kill it")
 
