@@ -363,11 +363,11 @@ class Soak:
             self.check_outcomes(jobs, outcomes)
             self.check_pools(server)
             self.check_restarts(pids, self.worker_pids(server))
-            sent = len(jobs) + self.check_still_serves(server)
+            answered = sum(o.ended == "answered" for o in outcomes) + self.check_still_serves(server)
             self.report.verification_failures = verification_failures(server)
         finally:
             server.stop()
-        self.check_audit(audit, sent)
+        self.check_audit(audit, answered, sum(o.ended == "disconnected" for o in outcomes))
 
     async def _traffic(self, server: LocalServer, jobs: list[Job]) -> list[Outcome]:
         s = self.s
@@ -530,12 +530,16 @@ class Soak:
             self.find("not serving", f"after the soak only {sum(ok)}/{len(ok)} plain chats came back right")
         return sent
 
-    def check_audit(self, path: Path, sent: int) -> None:
+    def check_audit(self, path: Path, answered: int, left: int) -> None:
+        """One record per answered request, and a 499 for at most each client that left (one that left before
+        its request reached the server leaves none)."""
         problems: list[str] = []
         with open(path, "rb") as f:
             records = list(read_records(f, problems))
-        if problems or len(records) != sent:
-            self.find("audit", f"{len(records)} audit records for {sent} requests; malformed lines: {problems[:3]}")
+        gone = sum(r.status == 499 for r in records)
+        if problems or len(records) - gone != answered or gone > left:
+            self.find("audit", f"{len(records) - gone} audit records for {answered} answered requests, {gone} "
+                               f"of status 499 for {left} clients that left; malformed lines: {problems[:3]}")
         self.report.outcomes["audit_statuses"] = {str(k): v for k, v in sorted(Counter(r.status for r in records)
                                                                                 .items())}
 
