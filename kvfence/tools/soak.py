@@ -110,6 +110,7 @@ class Outcome:
     text: str = ""
     finish: str | None = None
     error_code: str | None = None  # from the body, or from an error event mid-stream
+    rid: str | None = None  # the request id in hex, from a 200's ``id`` ("chatcmpl-<rid>")
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,7 @@ async def _call(client: httpx.AsyncClient, path: str, body: dict, key: str, job:
         out.status = resp.status_code
         data = resp.json()
         if resp.status_code == 200:
+            out.rid = data["id"].rsplit("-", 1)[1]
             choice = data["choices"][0]
             out.text = choice.get("text") if "text" in choice else choice["message"]["content"] or ""
             out.finish = choice["finish_reason"]
@@ -228,6 +230,7 @@ async def _call(client: httpx.AsyncClient, path: str, body: dict, key: str, job:
             if "error" in event:
                 out.error_code = error_name(event)
                 return
+            out.rid = out.rid or event.get("id", "-").rsplit("-", 1)[1]
             for choice in event.get("choices", []):
                 out.text += choice.get("text") or choice.get("delta", {}).get("content") or ""
                 out.finish = choice.get("finish_reason") or out.finish
@@ -367,7 +370,7 @@ class Soak:
             self.report.verification_failures = verification_failures(server)
         finally:
             server.stop()
-        self.check_audit(audit, answered, sum(o.ended == "disconnected" for o in outcomes))
+        self.check_audit(audit, outcomes, answered)
 
     async def _traffic(self, server: LocalServer, jobs: list[Job]) -> list[Outcome]:
         s = self.s
@@ -530,16 +533,18 @@ class Soak:
             self.find("not serving", f"after the soak only {sum(ok)}/{len(ok)} plain chats came back right")
         return sent
 
-    def check_audit(self, path: Path, answered: int, left: int) -> None:
-        """One record per answered request, and a 499 for at most each client that left (one that left before
-        its request reached the server leaves none)."""
+    def check_audit(self, path: Path, outcomes: list[Outcome], answered: int) -> None:
+        """One record per request: each 200's under its id; in all, one per answered request plus at most one per
+        client that left (none if it left before its request reached the server)."""
         problems: list[str] = []
         with open(path, "rb") as f:
             records = list(read_records(f, problems))
-        gone = sum(r.status == 499 for r in records)
-        if problems or len(records) - gone != answered or gone > left:
-            self.find("audit", f"{len(records) - gone} audit records for {answered} answered requests, {gone} "
-                               f"of status 499 for {left} clients that left; malformed lines: {problems[:3]}")
+        left = sum(o.ended == "disconnected" for o in outcomes)
+        by_rid = Counter(r.rid for r in records)
+        missing = [o.job for o in outcomes if o.ended == "answered" and o.rid and by_rid[o.rid] != 1]
+        if problems or missing or not answered <= len(records) <= answered + left:
+            self.find("audit", f"{len(records)} audit records for {answered} answered requests and {left} clients "
+                               f"that left; 200s without exactly one record: {missing[:5]}; malformed: {problems[:3]}")
         self.report.outcomes["audit_statuses"] = {str(k): v for k, v in sorted(Counter(r.status for r in records)
                                                                                 .items())}
 
