@@ -244,7 +244,8 @@ async def _call(client: httpx.AsyncClient, path: str, body: dict, key: str, job:
 class LocalServer:
     """``kvfence serve ARGS`` on a free port, its output in ``log_path``; ``stop`` ends it and its workers."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
+                 cwd: Path | None = None) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -252,24 +253,28 @@ class LocalServer:
         self.log_path = log_path or Path(tempfile.gettempdir()) / f"kvfence-serve-{self.port}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115
         cmd = [sys.executable, "-m", "kvfence.cli", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, start_new_session=True)
 
-    def wait_ready(self, timeout: float, key: str) -> str:
-        """Wait for /health to say ok; returns the served model's id (as ``key`` sees it)."""
+    def wait_ready(self, timeout: float) -> None:
+        """Wait for /health to say ok; stop the server and raise if it exits or takes longer."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    models = httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
-                    return models.json()["data"][0]["id"]
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not ready in {timeout}s:\n{self.output()}")
+
+    def model_id(self, key: str) -> str:
+        """The first model ``key`` may use."""
+        models = httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        return models.json()["data"][0]["id"]
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
@@ -327,7 +332,8 @@ class Soak:
         server = LocalServer(self.serve_args(self.workdir / "reference-audit.jsonl"),
                              log_path=self.workdir / "reference-serve.log")
         try:
-            self.model_id = server.wait_ready(600, self.keys[self.tenants[0]])
+            server.wait_ready(600)
+            self.model_id = server.model_id(self.keys[self.tenants[0]])
             self.reference = asyncio.run(self._reference(server.url))
         finally:
             server.stop()
@@ -359,7 +365,7 @@ class Soak:
         say(f"starting a server with KVFENCE_FAULTS={s.faults}" + (f" KVFENCE_UNSAFE={s.unsafe}" if s.unsafe else ""))
         server = LocalServer(self.serve_args(audit), env=env, log_path=self.workdir / "soak-serve.log")
         try:
-            server.wait_ready(600, self.keys[self.tenants[0]])
+            server.wait_ready(600)
             pids = self.worker_pids(server)
             jobs = make_jobs(s, self.tenants, self.prompts, self.over, self.rng)
             outcomes = asyncio.run(self._traffic(server, jobs))
