@@ -7,6 +7,8 @@ server, and compare the verdict with the row's expectation:
 - ``clean``: the probe found nothing (over-length requests got 400);
 - ``harm detected``: a leak, an over-length request answered 200, or greedy output changed under load;
 - ``contained (5xx)``: only over-length requests answered 5xx (a landing check's 500 ``kv_integrity``, not 400);
+- ``contained, then unavailable``: no harm, but a landing check quarantined the attacker's pages for good, so the
+  decode pool is left too small and later requests get 503 (the probe may then stop early, exit 2);
 - ``refused to start (L0)``: the server exited with status 2 at preflight;
 - ``inconclusive`` / ``error``: the probe could not conclude, or something broke.
 
@@ -31,6 +33,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -47,6 +52,7 @@ DOC = ROOT / "docs" / "safety.md"
 START, END = "<!-- mutation-matrix:start -->", "<!-- mutation-matrix:end -->"
 
 CLEAN, HARM, CONTAINED, REFUSED = "clean", "harm detected", "contained (5xx)", "refused to start (L0)"
+UNAVAILABLE = "contained, then unavailable"
 KINDS = ("leak", "wrong status", "wrong status class", "incoherent")  # the probe's finding kinds
 HARM_KINDS = ("leak", "wrong status", "incoherent")
 
@@ -61,6 +67,7 @@ class Row:
     incident: bool
     expect: str
     note: str = ""
+    probe_args: tuple[str, ...] = ()  # besides PROBE_FLAGS
 
     def server_args(self, tenants: str) -> list[str]:
         return [*(INCIDENT_ARGS if self.incident else ()), "--tenants", tenants]
@@ -69,15 +76,16 @@ class Row:
 ALONE_NOTES = {
     "admission": "the router rejects over-length prompts before any grant",
     "propagation": "prefill's rejection reaches the client",
-    "tags": "stale tags caught on landing: 500 kv_integrity, not 400",
-    "coverage": "1 token written, the prompt expected: 500 kv_integrity, not 400",
-    "checksum": "stale pages fail the transfer checksum: 500 kv_integrity, not 400",
+    "tags": "caught on landing (500, not 400); its 65 pages stay quarantined, leaving decode 3 of 68: 503s after",
+    "coverage": "prefill refuses the 1-token placeholder for the granted pages: 500 kv_integrity, not 400",
+    "checksum": "caught on landing (500, not 400); its 65 pages stay quarantined, leaving decode 3 of 68: 503s after",
 }
-ALONE_EXPECT = {"admission": CLEAN, "propagation": CLEAN, "tags": CONTAINED, "coverage": CONTAINED,
-                "checksum": CONTAINED}
+ALONE_EXPECT = {"admission": CLEAN, "propagation": CLEAN, "tags": UNAVAILABLE, "coverage": CONTAINED,
+                "checksum": UNAVAILABLE}
 
 ROWS: list[Row] = [
-    Row("defaults", (), False, CLEAN, "kvfence serve defaults, every layer on"),
+    # Victims of 1,000 tokens: near-context (8k) ones outlast the 30 s handoff timeout on 2 CPU cores (503).
+    Row("defaults", (), False, CLEAN, "kvfence serve defaults, every layer on", ("--victim-tokens", "1000")),
     Row("incident", (), True, REFUSED, "L0: the 1,024-token prefill pool cannot hold the 4,096 context"),
     Row("incident-preflight-off", ("preflight",), True, CLEAN, "L1 answers over-length prompts 400"),
     Row("incident-all-off", LAYERS, True, HARM, "the incident: 200 with another tenant's text"),
@@ -103,6 +111,7 @@ class Result:
     findings: dict[str, int] = field(default_factory=dict)
     first_leak: str | None = None
     statuses: dict[str, int] = field(default_factory=dict)
+    server: dict = field(default_factory=dict)  # the server's own count: statuses, caught_by layer, quarantined
     detail: str = ""
     startup_seconds: float = 0.0
     seconds: float = 0.0
@@ -149,7 +158,9 @@ def run_row(row: Row, tenants: str, work: Path, verbose: bool, position: str) ->
         if start_server(server, result):
             result.startup_seconds = round(time.monotonic() - started, 1)
             log(f"{row.name}: server up in {result.startup_seconds:.0f}s; probing")
-            probe(server.url, work / f"{row.name}.json", result, verbose)
+            probe(server.url, work / f"{row.name}.json", row.probe_args, result, verbose)
+            result.server = server_view(server.url)
+            result.verdict = verdict(result.probe_exit, result.findings, result.server)
     finally:
         server.stop()
     result.seconds = round(time.monotonic() - started, 1)
@@ -175,10 +186,10 @@ def start_server(server: Server, result: Result) -> bool:
     return False
 
 
-def probe(url: str, out: Path, result: Result, verbose: bool) -> None:
-    """Run ``kvfence probe`` against ``url`` and record its exit status, findings and verdict."""
+def probe(url: str, out: Path, args: tuple[str, ...], result: Result, verbose: bool) -> None:
+    """Run ``kvfence probe`` against ``url`` and record its exit status and findings."""
     cmd = [sys.executable, "-m", "kvfence.cli", "probe", "--url", url, *[a for k in KEYS for a in ("--key", k)],
-           *PROBE_FLAGS, "--json", str(out)]
+           *PROBE_FLAGS, *args, "--json", str(out)]
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=not verbose, text=True, timeout=900)
     except subprocess.TimeoutExpired:
@@ -194,13 +205,35 @@ def probe(url: str, out: Path, result: Result, verbose: bool) -> None:
     for r in report.get("requests", []):
         key = str(r["status"] if r["status"] is not None else "no answer")
         result.statuses[key] = result.statuses.get(key, 0) + 1
-    result.detail = report.get("inconclusive") or ("" if report else (done.stderr or "")[-300:])
-    result.verdict = verdict(done.returncode, result.findings)
+    last = (done.stderr or "").strip().splitlines()[-1:] if not report else []
+    result.detail = report.get("inconclusive") or (last[0][-300:] if last else "")
 
 
-def verdict(probe_exit: int, findings: dict[str, int]) -> str:
+def server_view(url: str) -> dict:
+    """What the server itself counted: requests by status, verification failures by layer, quarantined pages."""
+    try:
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        health = httpx.get(url + "/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        return {"error": str(e)}
+    view: dict = {"statuses": {}, "caught_by": {}}
+    for family in text_string_to_metric_families(metrics):
+        for s in family.samples:
+            if s.name == "kvfence_requests_total":
+                key = s.labels["status"]
+                view["statuses"][key] = view["statuses"].get(key, 0) + int(s.value)
+            elif s.name == "kvfence_kv_verification_failures_total" and s.value:
+                view["caught_by"][s.labels["layer"]] = int(s.value)
+    view["quarantined_pages"] = sum(w.get("quarantined_pages") or 0 for w in health.get("workers", {}).values())
+    return view
+
+
+def verdict(probe_exit: int | None, findings: dict[str, int], server: dict) -> str:
+    """Harm found by the probe first; then a pool left quarantined (503s); then the probe's own outcome."""
     if any(k in findings for k in HARM_KINDS):
         return HARM
+    if server.get("quarantined_pages") and server.get("statuses", {}).get("503"):
+        return UNAVAILABLE
     if findings:
         return CONTAINED
     return {0: CLEAN, 3: "inconclusive"}.get(probe_exit, "error")
@@ -208,6 +241,14 @@ def verdict(probe_exit: int, findings: dict[str, int]) -> str:
 
 def findings_text(findings: dict[str, int]) -> str:
     return ", ".join(f"{n} {k}" for k, n in findings.items()) or "no findings"
+
+
+def server_text(server: dict) -> str:
+    """``200: 17, 500: 1; caught by checksum: 1; 65 pages quarantined``, or ``-``."""
+    parts = [", ".join(f"{k}: {n}" for k, n in sorted(server.get("statuses", {}).items()))]
+    parts += [f"caught by {k}: {n}" for k, n in server.get("caught_by", {}).items()]
+    parts += [f"{server['quarantined_pages']} pages quarantined"] if server.get("quarantined_pages") else []
+    return "; ".join(p for p in parts if p) or "-"
 
 
 # -- output -------------------------------------------------------------------------------------------------
@@ -235,15 +276,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
     minutes = sum(r["seconds"] for r in rows) / 60
     lines = [f"Last run: {meta['date']} at commit {commits}; {minutes:.0f} min in all on this machine "
              f"(probe `{' '.join(PROBE_FLAGS)}`).", "",
-             "| row | layers off | deployment | expected | verdict | probe exit | findings | s | why |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| row | layers off | deployment | expected | verdict | probe exit | probe findings | server saw | s "
+             "| why |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         verdict_cell = f"**{r['verdict']}**" if r["ok"] else f"**{r['verdict']}** (differs)"
         exit_cell = r["probe_exit"] if r["probe_exit"] is not None else f"server exit {r['server_exit']}"
         lines.append(f"| `{r['name']}` | {layers_off_text(r['layers_off'])} | "
                      f"{'incident' if r['incident'] else 'normal'} | {r['expect']} | {verdict_cell} | {exit_cell} | "
-                     f"{findings_text(r['findings']) if r['probe_exit'] is not None else '-'} | {r['seconds']:.0f} | "
-                     f"{r['note']} |")
+                     f"{findings_text(r['findings']) if r['probe_exit'] is not None else '-'} | "
+                     f"{server_text(r.get('server') or {})} | {r['seconds']:.0f} | {r['note']} |")
     leaks = [f"- `{r['name']}`: {r['first_leak']}".replace("|", "\\|") for r in rows if r["first_leak"]]
     return "\n".join(lines + (["", "First leak per row:", "", *leaks] if leaks else []))
 
