@@ -52,7 +52,7 @@ ROWS = [
     Row("checksum-off", "checksum", ("--kills", "0", "--disconnect", "0", "--faults", "flip=0.5"), "harm detected",
         "L5 alone stands between a flipped byte and the client"),
     Row("late-writes", "deferred_release,deferred_abort", LATE_WRITES, "clean",
-        "with L6 and L7 off, aborted writes land in reused pages; L3 and L4 catch them"),
+        "with L6 and L7 off, an aborted write may land in reused pages; L3-L5 stand in its way"),
     Row("late-writes-unchecked", "deferred_release,deferred_abort,tags,coverage,checksum", LATE_WRITES,
         "harm detected", "with L3-L7 off, a late write reaches another request's answer"),
 ]
