@@ -35,7 +35,7 @@ class Faults:
         value = os.environ.get("KVFENCE_FAULTS", "") if value is None else value
         if not value.strip():
             return None
-        known = {f.name: f.type for f in fields(cls)}
+        known = [f.name for f in fields(cls)]
         kwargs: dict[str, float | int] = {}
         for part in value.split(","):
             name, _, number = part.strip().partition("=")
