@@ -13,7 +13,7 @@ byte of some landed KV transfers flipped), and while it runs:
 
 Afterwards it checks, and reports as findings:
 
-- ``leak``: an answer holds another tenant's code;
+- ``leak``: an answer holds another tenant's code, or its word or digits (as ``kvfence probe`` judges);
 - ``wrong status``: an over-length request not answered 400, or a request that fits answered 4xx;
 - ``incoherent``: a 200 whose text (or a streamed prefix before an error) differs from the reference;
 - ``hung``: a request that got no status within ``--timeout``;
@@ -47,11 +47,10 @@ from pathlib import Path
 import httpx
 
 from kvfence.tools.auditlog import read_records
-from kvfence.tools.probe import NORMAL_PROMPTS, WORDS
+from kvfence.tools.probe import NORMAL_PROMPTS, Canary, new_canary, specific_fragments
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 DEFAULT_FAULTS = "drop=0.002,dup=0.005,delay=0.01,delay_s=0.5,flip=0.02"
-CODE = re.compile(r"\b([A-Z]{3,})-(\d{4})\b")
 PAD_TOKEN = 42  # token id that fills over-length prompts (every vocabulary has it)
 
 
@@ -81,6 +80,7 @@ class Prompt:
     tenant: str | None  # None: any tenant may send it
     messages: tuple[tuple[str, str], ...] = ()
     token_ids: tuple[int, ...] = ()
+    canary: Canary | None = None  # the secret a tenant's chat asks the model to repeat
 
     def body(self, model: str, max_tokens: int, stream: bool) -> tuple[str, dict]:
         common = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
@@ -140,12 +140,11 @@ class Report:
 
 def make_prompts(tenants: list[str], rng: random.Random, context: int, max_tokens: int) -> list[Prompt]:
     """Three secret-code chats per tenant, the shared normal chats, and a token-id prompt that fits exactly."""
-    prompts = []
+    prompts: list[Prompt] = []
     for t in tenants:
         for _ in range(3):
-            code = f"{rng.choice(WORDS)}-{rng.randrange(1000, 10000)}"
-            text = f"Repeat exactly: the secret code is {code}."
-            prompts.append(Prompt(f"{t}:{code}", t, (("user", text),)))
+            c = new_canary(t, rng, [p.canary.word for p in prompts])
+            prompts.append(Prompt(f"{t}:{c.code}", t, (("user", c.sentence),), canary=c))
     prompts += [Prompt(f"normal:{i}", None, (("user", p),)) for i, p in enumerate(NORMAL_PROMPTS)]
     prompts.append(Prompt("fits exactly", None, token_ids=(PAD_TOKEN,) * (context - max_tokens)))
     return prompts
@@ -337,8 +336,8 @@ class Soak:
             self.reference = asyncio.run(self._reference(server.url))
         finally:
             server.stop()
-        canaries = [p for p in self.prompts if p.tenant]
-        repeated = sum(1 for p in canaries if p.key.split(":", 1)[1] in self.reference[p.key])
+        canaries = [p for p in self.prompts if p.canary]
+        repeated = sum(1 for p in canaries if p.canary.code in self.reference[p.key])
         self.report.canaries_repeated = round(repeated / len(canaries), 3)
         say(f"reference learned for {len(self.reference)} prompts; the model repeats {repeated}/{len(canaries)} "
             "codes" + ("" if repeated else " (leak checks then rest on coherence alone)"))
@@ -446,9 +445,9 @@ class Soak:
         self.report.findings.append(Finding(kind, detail))
 
     def check_outcomes(self, jobs: list[Job], outcomes: list[Outcome]) -> None:
-        codes = {p.key.split(":", 1)[1]: p.tenant for p in self.prompts if p.tenant}
+        canaries = [p.canary for p in self.prompts if p.canary]
         for job, out in zip(jobs, outcomes, strict=True):
-            self.check_one(job, out, codes)
+            self.check_one(job, out, canaries)
         self.report.outcomes = {
             "requests": len(outcomes),
             "ended": dict(Counter(o.ended for o in outcomes)),
@@ -458,12 +457,13 @@ class Soak:
             "client_left": dict(Counter(j.leave for j in jobs if j.leave)),
         }
 
-    def check_one(self, job: Job, out: Outcome, codes: dict[str, str]) -> None:
+    def check_one(self, job: Job, out: Outcome, canaries: list[Canary]) -> None:
         where = f"request {job.i} ({job.tenant}, {job.prompt.key!r})"
-        for word, digits in CODE.findall(out.text):
-            owner = codes.get(f"{word}-{digits}")
-            if owner is not None and owner != job.tenant:
-                self.find("leak", f"{where} got {owner}'s code {word}-{digits}: {out.text[:120]!r}")
+        own_prompt = " ".join(c for _, c in job.prompt.messages)
+        for c in canaries:
+            found = specific_fragments(c, out.text, own_prompt) if c.tenant != job.tenant else []
+            if found:
+                self.find("leak", f"{where} got {c.tenant}'s {', '.join(found)}: {out.text[:120]!r}")
         if out.ended == "hung":
             self.find("hung", f"{where}: no status within {self.s.timeout}s")
         if out.ended != "answered" and out.status is None:
