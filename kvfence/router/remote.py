@@ -34,10 +34,7 @@ POLL_MIN_S, POLL_MAX_S = 0.0005, 0.01
 class RemoteEngine:
     def __init__(self, bind: str, model_name: str, max_context: int, safety: Safety, advertise: str | None = None,
                  expected_workers: int = 0, silence_timeout: float = 120.0) -> None:
-        faults = Faults.from_env()
-        if faults:
-            log.warning("KVFENCE_FAULTS: injecting faults (%s)", faults.describe())
-        self.channel = Channel(bind, advertise, faults)
+        self.channel = Channel(bind, advertise, Faults.from_env())
         self.me = self.channel.me
         self.model_name, self.max_context = model_name, max_context
         self.core = RouterCore(self.me, max_context, safety, silence_timeout)

@@ -23,7 +23,7 @@ class Channel:
     def __init__(self, bind: str, me: str | None = None, faults: Faults | None = None) -> None:
         """Bind the inbox at ``bind`` (``tcp://host:0`` picks a port); ``me`` is the id peers reach us by.
 
-        ``faults`` (soak tests only) drops, duplicates and delays what this channel sends.
+        ``faults`` (soak tests only) drops, duplicates and delays what this channel sends; it says so in the log.
         """
         self.ctx = zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -35,16 +35,18 @@ class Channel:
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.num_bad = 0
-        self.faults = FaultyLink(faults, self.me) if faults else None
+        self.fault_link = FaultyLink(faults, self.me) if faults else None
+        if faults:
+            log.warning("KVFENCE_FAULTS: %s injects faults (%s)", self.me, faults.describe())
 
     def send(self, to: str, msg: Message) -> None:
         """Queue ``msg`` for ``to``; never blocks (a full or dead peer drops it)."""
         data = encode_message(self.me, msg)
-        if self.faults is None:
+        if self.fault_link is None:
             self._push(to, data)
             return
         now = time.monotonic()
-        for peer, payload in self.faults.due(now) + self.faults.outgoing(to, data, now):
+        for peer, payload in self.fault_link.due(now) + self.fault_link.outgoing(to, data, now):
             self._push(peer, payload)
 
     def _push(self, to: str, data: bytes) -> None:
@@ -62,10 +64,10 @@ class Channel:
 
     def receive(self, timeout_ms: int) -> list[Envelope]:
         """Everything waiting in the inbox, waiting up to ``timeout_ms`` for the first message."""
-        if self.faults is not None:
-            for peer, payload in self.faults.due(time.monotonic()):
+        if self.fault_link is not None:
+            for peer, payload in self.fault_link.due(time.monotonic()):
                 self._push(peer, payload)
-            if self.faults.held:
+            if self.fault_link.held:
                 timeout_ms = min(timeout_ms, 10)
         if not self.poller.poll(timeout_ms):
             return []

@@ -125,8 +125,6 @@ class WorkerBase:
         banner = self.safety.banner()
         if banner:
             print(banner, file=sys.stderr, flush=True)
-        if self.faults:
-            log.warning("KVFENCE_FAULTS: injecting faults (%s)", self.faults.describe())
         log.info("%s worker %s ready (pool %d tokens, transfer %s)", self.role, self.me, self.settings.pool_tokens,
                  self.settings.transfer)
         self._latest_hello = self.hello()
