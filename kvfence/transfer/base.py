@@ -131,9 +131,11 @@ _SMALL_PLAN = 16  # below this many segments plain Python beats NumPy's per-call
 
 def _plan_small(segments: Sequence[Segment], src_size: int, dst_size: int) -> Plan:
     plan: Plan = []
+    index = operator.index
     for i, seg in enumerate(segments):
         try:
-            src, dst, n = (operator.index(x) for x in seg)
+            src, dst, n = seg
+            src, dst, n = index(src), index(dst), index(n)
         except (TypeError, ValueError) as e:
             raise SegmentError(f"segment {i} {seg!r} is not a (src, dst, nbytes) integer triple: {e}") from None
         if n < 0 or src < 0 or dst < 0 or src + n > src_size or dst + n > dst_size:
@@ -238,9 +240,10 @@ class PeerHandle:
         self._lock = threading.Lock()
         self._queue: cf.ThreadPoolExecutor | None = None
         self._tail: cf.Future | None = None
-        self._idle = threading.Condition(threading.Lock())
+        self._count = threading.Lock()  # guards _active and _closed (a plain lock: enter/exit are per write)
         self._active = 0  # writes running on this peer right now
         self._closed = False
+        self._drained = threading.Event()  # set once closed and no write runs
 
     def check_usable(self) -> None:
         """Raise if an earlier transport failure poisoned this peer."""
@@ -269,25 +272,26 @@ class PeerHandle:
 
     def enter(self) -> None:
         """Mark a write as running; refuses once the peer is closing, so teardown never races a write."""
-        with self._idle:
+        with self._count:
             if self._closed:
                 raise TransferError("peer closed")
             self._active += 1
 
     def exit(self) -> None:
-        with self._idle:
+        with self._count:
             self._active -= 1
-            if not self._active:
-                self._idle.notify_all()
+            if self._closed and not self._active:
+                self._drained.set()
 
     def shutdown(self) -> None:
         """Refuse new writes, cancel queued ones, and wait for running ones (each bounded by its timeout)."""
-        with self._idle:
+        with self._count:
             self._closed = True
+            if not self._active:
+                self._drained.set()
         if self._queue is not None:
             self._queue.shutdown(wait=True, cancel_futures=True)
-        with self._idle:
-            self._idle.wait_for(lambda: self._active == 0)
+        self._drained.wait()
 
 
 class KVInitiator(ABC):

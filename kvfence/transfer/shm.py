@@ -41,12 +41,14 @@ def probe() -> tuple[bool, str]:
 
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+_WHOLE_FILE = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+_UNLOCKED = struct.pack("h", fcntl.F_UNLCK)  # l_type, the first field of the answer
 
 
 def _lock(fd: int) -> bool:
     """Take a whole-file write lock owned by ``fd``'s open file description; False if someone holds one."""
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _WHOLE_FILE)
     except (BlockingIOError, PermissionError):
         return False
     return True
@@ -54,8 +56,7 @@ def _lock(fd: int) -> bool:
 
 def _locked(fd: int) -> bool:
     """Whether some other open file description holds a lock on the file (one syscall, no exception)."""
-    got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
-    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
+    return fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _WHOLE_FILE)[:2] != _UNLOCKED
 
 
 def sweep_stale(directory: str) -> int:
