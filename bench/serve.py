@@ -1,12 +1,21 @@
-"""Load generator for any OpenAI-compatible server: TTFT, TPOT, p50/p99 and output tokens/s per concurrency.
+"""Load generator for any OpenAI-compatible server: output tok/s, req/s, TTFT and TPOT per concurrency.
+
+The workload (the one issue #7 measured llama.cpp's server with): closed loop (each of ``concurrency``
+clients sends its next request as soon as its last one ends), streaming chat completions, temperature 0,
+``--max-tokens`` (128) output tokens with EOS ignored, every prompt unique and ``--prompt-tokens`` (204)
+long after the chat template (calibrated against the server's own ``usage.prompt_tokens``), N = max(4, 2 x
+concurrency) requests per run, ``--repeats`` (3) runs per level, medians reported. Then one
+``--long-prompt`` (2,000-token) request with one output token: prefill tok/s = prompt tokens / TTFT.
 
 Against one URL:
-    .venv/bin/python bench/serve.py --url http://127.0.0.1:8000/v1 --model smollm2-135m
+    .venv/bin/python bench/serve.py --url http://127.0.0.1:8000/v1
 
-Colocated against disaggregated kvfence in one run (both started here, measured interleaved per level):
-    .venv/bin/python bench/serve.py --compare [--concurrency 1 4 16 32] [--requests-per-level 32]
+Colocated against disaggregated kvfence, both started here and measured in alternation (A, B, A, B per
+level and repeat, so drift on a shared machine hits both alike):
+    .venv/bin/python bench/serve.py --compare [--server-args "--threads 1"]
 
-Writes JSON (``--json``) and prints a table.
+Writes JSON (``--json``), a PNG plot of throughput and p99 TTFT against concurrency next to it, and
+prints a table.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -24,141 +35,248 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TOPICS = ["the ocean", "a busy city", "mountains", "a library", "the night sky", "a small garden", "trains", "rain"]
+FILLER = ("The quick brown fox jumps over the lazy dog while the river runs past old stone walls and green "
+          "fields under a pale sky. ").split()
 
 
 @dataclass
 class Result:
-    ttft: float
-    tpot: float
-    tokens: int
-    latency: float
+    ttft: float  # seconds to the first content token
+    tpot: float  # mean seconds per output token after the first
+    tokens: int  # completion tokens (from usage)
+    prompt_tokens: int
 
 
 @dataclass
-class Level:
+class Run:
+    """One closed-loop run of ``requests`` requests at ``concurrency``."""
+
     label: str
     concurrency: int
     requests: int
+    failures: int
+    wall_s: float
     output_tok_s: float
-    ttft_p50: float
+    req_s: float
+    ttft_mean: float
     ttft_p99: float
-    tpot_p50: float
-    tpot_p99: float
-    errors: int
+    tpot_mean: float
+
+
+class Client:
+    """Streams chat completions from one OpenAI-compatible base URL."""
+
+    def __init__(self, url: str, model: str | None, key: str) -> None:
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.model = model or httpx.get(self.url + "/models", headers=self.headers, timeout=30).json()["data"][0]["id"]
+
+    async def complete(self, http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Result:
+        body = {"model": self.model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": prompt}]}
+        t0 = time.perf_counter()
+        first, tokens, prompt_tokens = None, 0, 0
+        async with http.stream("POST", self.url + "/chat/completions", json=body, headers=self.headers) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"]["prompt_tokens"]
+                choices = chunk.get("choices") or [{}]
+                if first is None and (choices[0].get("delta") or {}).get("content"):
+                    first = time.perf_counter()
+        end = time.perf_counter()
+        first = first or end
+        return Result(first - t0, (end - first) / max(tokens - 1, 1), tokens, prompt_tokens)
+
+    def prompt_tokens(self, prompt: str) -> int:
+        body = {"model": self.model, "max_tokens": 1, "messages": [{"role": "user", "content": prompt}]}
+        r = httpx.post(self.url + "/chat/completions", json=body, headers=self.headers, timeout=600)
+        r.raise_for_status()
+        return r.json()["usage"]["prompt_tokens"]
+
+
+def make_prompt(i: int, words: int) -> str:
+    """Prompt number ``i``: unique from its third word on (a prefix cache shares only the template), ``words`` long."""
+    return f"Request {i}. Summarise this text: " + " ".join(FILLER[j % len(FILLER)] for j in range(words))
+
+
+def calibrate(client: Client, target: int) -> int:
+    """Filler words that make a prompt ``target`` tokens long after the server's chat template."""
+    a, b = client.prompt_tokens(make_prompt(0, 20)), client.prompt_tokens(make_prompt(0, 220))
+    per_word = (b - a) / 200
+    words = max(0, round(20 + (target - a) / per_word))
+    for _ in range(4):  # the fit is linear up to a token or two; settle on the server's own count
+        got = client.prompt_tokens(make_prompt(0, words))
+        if got == target:
+            break
+        words = max(0, words + (1 if got < target else -1))
+    return words
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else float("nan")
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, key: str, i: int, max_tokens: int) -> Result:
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}. ({i})"}]}
-    t0 = time.perf_counter()
-    first = None
-    tokens = 0
-    async with client.stream("POST", url + "/chat/completions", json=body,
-                             headers={"Authorization": f"Bearer {key}"}) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") and first is None:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    first = first or end
-    return Result(first - t0, (end - first) / max(tokens - 1, 1), tokens, end - t0)
-
-
-async def run_level(url: str, model: str, key: str, label: str, concurrency: int, requests: int,
-                    max_tokens: int) -> Level:
-    sem = asyncio.Semaphore(concurrency)
+async def closed_loop(client: Client, label: str, concurrency: int, requests: int, words: int, max_tokens: int,
+                      first_id: int) -> Run:
     results: list[Result] = []
-    errors = 0
+    failures = 0
+    todo = iter(range(first_id, first_id + requests))
 
-    async def worker(i: int, client: httpx.AsyncClient) -> None:
-        nonlocal errors
-        async with sem:
+    async def user(http: httpx.AsyncClient) -> None:
+        nonlocal failures
+        for i in todo:
             try:
-                results.append(await one_request(client, url, model, key, i, max_tokens))
-            except (httpx.HTTPError, json.JSONDecodeError):
-                errors += 1
+                results.append(await client.complete(http, make_prompt(i, words), max_tokens))
+            except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
+                failures += 1
+                print(f"    request {i} failed: {e}", file=sys.stderr)
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600) as client:
-        await asyncio.gather(*(worker(i, client) for i in range(requests)))
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
+        await asyncio.gather(*(user(http) for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    ttft, tpot = [r.ttft for r in results], [r.tpot for r in results]
-    return Level(label, concurrency, requests, sum(r.tokens for r in results) / wall, pct(ttft, 0.5), pct(ttft, 0.99),
-                 pct(tpot, 0.5), pct(tpot, 0.99), errors)
+    ttft = [r.ttft for r in results]
+    return Run(label, concurrency, requests, failures, wall, sum(r.tokens for r in results) / wall,
+               len(results) / wall, statistics.fmean(ttft) if ttft else float("nan"), pct(ttft, 0.99),
+               statistics.fmean(r.tpot for r in results) if results else float("nan"))
 
 
-def print_table(levels: list[Level]) -> None:
-    print(f"\n{'server':<15}{'conc':>5}{'reqs':>6}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'TPOT p50':>10}{'TPOT p99':>10}{'errors':>8}")
+def median_run(runs: list[Run]) -> dict:
+    """Per-field medians over repeats (failures summed)."""
+    out = asdict(runs[0])
+    for field in ("wall_s", "output_tok_s", "req_s", "ttft_mean", "ttft_p99", "tpot_mean"):
+        out[field] = statistics.median(getattr(r, field) for r in runs)
+    out["failures"] = sum(r.failures for r in runs)
+    out["repeats"] = len(runs)
+    return out
+
+
+def long_prompt(client: Client, tokens: int) -> dict:
+    """One prompt of ``tokens`` tokens, one output token: TTFT and prefill tok/s."""
+    result = asyncio.run(_single(client, make_prompt(10**6, calibrate(client, tokens))))
+    return {"prompt_tokens": result.prompt_tokens, "ttft_s": result.ttft,
+            "prefill_tok_s": result.prompt_tokens / result.ttft}
+
+
+async def _single(client: Client, prompt: str) -> Result:
+    async with httpx.AsyncClient(timeout=3600) as http:
+        return await client.complete(http, prompt, 1)
+
+
+def print_table(levels: list[dict]) -> None:
+    print(f"\n{'server':<15}{'conc':>5}{'reqs':>6}{'out tok/s':>11}{'req/s':>7}{'TTFT mean':>11}{'TTFT p99':>10}"
+          f"{'TPOT mean':>11}{'fail':>6}")
     for lv in levels:
-        print(f"{lv.label:<15}{lv.concurrency:>5}{lv.requests:>6}{lv.output_tok_s:>11.1f}{lv.ttft_p50 * 1e3:>8.0f}ms"
-              f"{lv.ttft_p99 * 1e3:>8.0f}ms{lv.tpot_p50 * 1e3:>8.1f}ms{lv.tpot_p99 * 1e3:>8.1f}ms{lv.errors:>8}")
+        print(f"{lv['label']:<15}{lv['concurrency']:>5}{lv['requests']:>6}{lv['output_tok_s']:>11.1f}"
+              f"{lv['req_s']:>7.2f}{lv['ttft_mean'] * 1e3:>9.0f}ms{lv['ttft_p99'] * 1e3:>8.0f}ms"
+              f"{lv['tpot_mean'] * 1e3:>9.1f}ms{lv['failures']:>6}")
+
+
+def plot(levels: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (tput, ttft) = plt.subplots(1, 2, figsize=(10, 4))
+    for label in dict.fromkeys(lv["label"] for lv in levels):
+        rows = [lv for lv in levels if lv["label"] == label]
+        conc = [lv["concurrency"] for lv in rows]
+        tput.plot(conc, [lv["output_tok_s"] for lv in rows], marker="o", label=label)
+        ttft.plot(conc, [lv["ttft_p99"] for lv in rows], marker="o", label=label)
+    for ax, title in ((tput, "output tokens/s"), (ttft, "p99 TTFT (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="an OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", help="model id (default: the server's first)")
     ap.add_argument("--key", default="none")
     ap.add_argument("--compare", action="store_true", help="start colocated and disaggregated kvfence and compare")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    ap.add_argument("--requests-per-level", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--server-args", default="", help="extra 'kvfence serve' arguments for --compare")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--requests", type=int, help="requests per run (default: max(4, 2 x concurrency))")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per level; medians are reported")
+    ap.add_argument("--prompt-tokens", type=int, default=204)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--long-prompt", type=int, default=2000, help="prefill check prompt tokens (0: skip)")
     ap.add_argument("--json", default="bench/results/serve.json")
     args = ap.parse_args()
     if not args.url and not args.compare:
         ap.error("give --url or --compare")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers started here stop too
 
-    levels: list[Level] = []
     servers = []
     try:
         if args.compare:
-            from tests.server import Server
+            from kvfence.tools.soak import LocalServer
 
+            print("starting colocated and disaggregated kvfence...", file=sys.stderr, flush=True)
             extra = args.server_args.split()
-            print("starting colocated and disaggregated servers...", file=sys.stderr, flush=True)
-            servers = [("colocated", Server("--mode", "colocated", *extra, ready_timeout=300)),
-                       ("disaggregated", Server(*extra, ready_timeout=300))]
-            targets = [(label, s.url + "/v1") for label, s in servers]
+            servers = [("colocated", LocalServer(["--mode", "colocated", *extra], cwd=ROOT)),
+                       ("disaggregated", LocalServer(extra, cwd=ROOT))]
+            for _, s in servers:
+                s.wait_ready(600)
+            clients = [(label, Client(s.url + "/v1", args.model, args.key)) for label, s in servers]
         else:
-            targets = [("server", args.url.rstrip("/"))]
+            clients = [("server", Client(args.url, args.model, args.key))]
+        words = calibrate(clients[0][1], args.prompt_tokens)
+        print(f"prompts: {words} filler words = {args.prompt_tokens} tokens after the chat template",
+              file=sys.stderr, flush=True)
+        levels, next_id = [], 1
         for c in args.concurrency:
-            n = max(args.requests_per_level, c)
-            for label, url in targets:  # interleaved: one level of each before the next level
-                print(f"  {label}: concurrency {c}, {n} requests...", file=sys.stderr, flush=True)
-                levels.append(asyncio.run(run_level(url, args.model, args.key, label, c, n, args.max_tokens)))
+            n = args.requests or max(4, 2 * c)
+            runs: dict[str, list[Run]] = {label: [] for label, _ in clients}
+            for rep in range(args.repeats):
+                for label, client in clients:
+                    run = asyncio.run(closed_loop(client, label, c, n, words, args.max_tokens, next_id))
+                    next_id += n
+                    runs[label].append(run)
+                    print(f"  {label} c={c} run {rep + 1}/{args.repeats}: {run.output_tok_s:.1f} tok/s, "
+                          f"TTFT p99 {run.ttft_p99:.2f}s, {run.failures} failed", file=sys.stderr, flush=True)
+            levels += [median_run(r) for r in runs.values()]
+        prefill = {}
+        if args.long_prompt:
+            for label, client in clients:
+                prefill[label] = long_prompt(client, args.long_prompt)
+                print(f"  {label}: {args.long_prompt}-token prompt, TTFT {prefill[label]['ttft_s']:.2f}s",
+                      file=sys.stderr, flush=True)
     finally:
         for _, s in servers:
             s.stop()
 
     print_table(levels)
-    report = {"levels": [asdict(lv) for lv in levels]}
+    for label, p in prefill.items():
+        print(f"{label}: {p['prompt_tokens']}-token prompt: TTFT {p['ttft_s']:.2f} s, {p['prefill_tok_s']:.0f} "
+              "prefill tok/s")
+    report = {"workload": {k: getattr(args, k) for k in ("prompt_tokens", "max_tokens", "repeats", "concurrency")},
+              "levels": levels, "long_prompt": prefill}
     if args.compare:
-        ratios = {}
-        for c in args.concurrency:
-            a, b = (next(lv for lv in levels if lv.label == name and lv.concurrency == c)
-                    for name in ("colocated", "disaggregated"))
-            ratios[c] = b.output_tok_s / a.output_tok_s
-        report["disaggregated_over_colocated_throughput"] = ratios
-        print("\ndisaggregated / colocated output tok/s: " + ", ".join(f"c={c}: {r:.2f}" for c, r in ratios.items()))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.json}")
+        ratio = {c: next(lv for lv in levels if lv["label"] == "disaggregated" and lv["concurrency"] == c)
+                 ["output_tok_s"] / next(lv for lv in levels if lv["label"] == "colocated" and lv["concurrency"] == c)
+                 ["output_tok_s"] for c in args.concurrency}
+        report["disaggregated_over_colocated_throughput"] = ratio
+        print("disaggregated / colocated output tok/s: " + ", ".join(f"c={c}: {r:.2f}" for c, r in ratio.items()))
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    plot(levels, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

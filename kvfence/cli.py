@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
+
+from kvfence.config import POOL_CONTEXTS, default_pool_tokens
 
 DTYPES = ("bfloat16", "float32")
 TRANSFERS = ("shm", "tcp", "mooncake", "nixl")
@@ -23,7 +26,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "directory (config.json + *.safetensors + tokenizer.json) of the Llama/Qwen2/Qwen3 family")
     g.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV cache precision")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads per process (0: torch's default)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="CPU threads per process (0: serve splits this host's cores between its workers; "
+                        "otherwise torch's default)")
     g.add_argument("--max-context", type=int, default=None,
                    help="most tokens (prompt + completion) per request (default: the model's context length)")
 
@@ -31,7 +36,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_pool_args(p: argparse.ArgumentParser, per_role: bool) -> None:
     g = p.add_argument_group("KV cache and batching")
     g.add_argument("--kv-pool-tokens", type=int, default=None,
-                   help="KV pool size in tokens for every worker (default: 4 x max context)")
+                   help=f"KV pool size in tokens for every worker (default: {POOL_CONTEXTS} x max context)")
     if per_role:
         g.add_argument("--prefill-pool-tokens", type=int, default=None, help="prefill workers' pool (overrides)")
         g.add_argument("--decode-pool-tokens", type=int, default=None, help="decode workers' pool (overrides)")
@@ -122,18 +127,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvfence.workers.supervisor import Supervisor, free_tcp_address
 
     name, tokenizer, max_context = describe(args)
-    pool = args.kv_pool_tokens or 4 * max_context
+    pool = args.kv_pool_tokens or default_pool_tokens(max_context)
     router_addr = free_tcp_address()
     workers = []
+    threads = threads_per_worker(args, args.prefill + args.decode)
     for role, count, role_pool in (("prefill", args.prefill, args.prefill_pool_tokens),
                                    ("decode", args.decode, args.decode_pool_tokens)):
         refuse_to_start_unless_fits(role, role_pool or pool, args.page_size, max_context)
-        workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, role_pool or pool)
-                    for _ in range(count)]
+        workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, role_pool or pool,
+                                    threads=threads) for _ in range(count)]
     engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers))
     supervisor = Supervisor(workers, engine.worker_died)
     supervisor.start()
-    log.info("started %d prefill and %d decode workers (transfer %s)", args.prefill, args.decode, args.transfer)
+    log.info("started %d prefill and %d decode workers (transfer %s, %s threads each)", args.prefill, args.decode,
+             args.transfer, threads or "torch's default")
     try:
         return run_http(args, engine, tokenizer, supervisor)
     finally:
@@ -152,7 +159,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from kvfence.workers.supervisor import run_worker
 
     max_context = served_context(args, describe_model(args.model)[1].max_context)
-    pool = args.kv_pool_tokens or 4 * max_context
+    pool = args.kv_pool_tokens or default_pool_tokens(max_context)
     refuse_to_start_unless_fits(args.role, pool, args.page_size, max_context)
     settings = worker_settings(args, args.role, args.bind, args.router, max_context, pool, advertise=args.advertise)
     run_worker(settings, supervised=False)
@@ -166,8 +173,9 @@ def serve_colocated(args: argparse.Namespace) -> int:
     from kvfence.tools.audit import refuse_to_start_unless_fits
 
     loaded, max_context = load(args)
-    refuse_to_start_unless_fits("colocated", args.kv_pool_tokens or 4 * max_context, args.page_size, max_context)
-    config = EngineConfig(max_context=max_context, kv_pool_tokens=args.kv_pool_tokens or 4 * max_context,
+    pool = args.kv_pool_tokens or default_pool_tokens(max_context)
+    refuse_to_start_unless_fits("colocated", pool, args.page_size, max_context)
+    config = EngineConfig(max_context=max_context, kv_pool_tokens=pool,
                           page_size=args.page_size, max_batch=args.max_batch, chunk_size=args.chunk_size)
     engine = Engine(loaded.model, loaded.tokenizer, config, dtype_of(args), args.device)
     log.info("colocated engine: KV pool %d tokens (%d pages of %d, %.0f MiB)", config.num_pages * config.page_size,
@@ -217,15 +225,27 @@ def served_context(args: argparse.Namespace, model_context: int) -> int:
     return args.max_context
 
 
+def threads_per_worker(args: argparse.Namespace, workers: int) -> int:
+    """``--threads``, else this host's cores split evenly between ``workers`` local CPU workers.
+
+    OpenMP threads that outnumber the cores stall at every barrier (one waits for a descheduled
+    peer), so a prefill and a decode worker sharing 2 cores run fastest with 1 thread each.
+    """
+    if args.threads or args.device != "cpu":
+        return args.threads
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
 def worker_settings(args, role: str, bind: str, router: str, max_context: int, pool_tokens: int,
-                    advertise: str | None = None):
+                    advertise: str | None = None, threads: int | None = None):
     from kvfence.workers.common import WorkerSettings
 
     return WorkerSettings(
         role=role, bind=bind, router=router, model=args.model, dtype=args.dtype, device=args.device,
         max_context=max_context, pool_tokens=pool_tokens, page_size=args.page_size, chunk_size=args.chunk_size,
         max_batch=args.max_batch, transfer=args.transfer, advertise=advertise,
-        emulate_incident=getattr(args, "emulate_incident", False), threads=args.threads, log_level=args.log_level,
+        emulate_incident=getattr(args, "emulate_incident", False),
+        threads=args.threads if threads is None else threads, log_level=args.log_level,
         handoff_timeout=args.handoff_timeout)
 
 

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+POOL_CONTEXTS = 2  # a worker's default KV pool holds this many full-context requests
+
+
+def default_pool_tokens(max_context: int) -> int:
+    return POOL_CONTEXTS * max_context
+
 
 @dataclass(frozen=True)
 class ModelConfig:

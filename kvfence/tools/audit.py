@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from kvfence.config import ModelConfig
+from kvfence.config import POOL_CONTEXTS, ModelConfig, default_pool_tokens
 from kvfence.core import KvfenceError
 from kvfence.kvcache.layout import TAG_BYTES, KVLayout
 from kvfence.safety import Safety
@@ -143,7 +143,7 @@ def describe(model: str) -> tuple[str, ModelConfig]:
 
 
 def planned_nodes(args: argparse.Namespace) -> tuple[str, list[NodeCheck]]:
-    """The nodes ``kvfence serve`` would start with these flags (same defaults: pool 4 x max context)."""
+    """The nodes ``kvfence serve`` would start with these flags (same defaults as serve for the pools)."""
     name, cfg = describe(args.model)
     max_context = args.max_context or cfg.max_context
     if not 0 < max_context <= cfg.max_context:
@@ -164,11 +164,11 @@ def planned_nodes(args: argparse.Namespace) -> tuple[str, list[NodeCheck]]:
 
 def role_pool_tokens(args: argparse.Namespace, role: str, cfg: ModelConfig, max_context: int,
                      dtype_bytes: int) -> int:
-    """Usable pool tokens of a ``role`` node: its own pool flag, else the one for every node, else 4 x context."""
+    """Usable pool tokens of a ``role`` node: its own pool flag, else the one for every node, else the default."""
     tokens, memory = pool_setting(args, role)
     if memory is not None:
         return pool_tokens_for_memory(memory, cfg, args.page_size, dtype_bytes)
-    return usable_pool_tokens(4 * max_context if tokens is None else tokens, args.page_size)
+    return usable_pool_tokens(default_pool_tokens(max_context) if tokens is None else tokens, args.page_size)
 
 
 def pool_setting(args: argparse.Namespace, role: str) -> tuple[int | None, int | None]:
@@ -349,7 +349,7 @@ def add_audit_parser(sub) -> None:
                     "context.\n\n"
                     "Three forms:\n"
                     "  kvfence audit [--model M] [--max-context N] [--prefill N --decode M] [pool flags]\n"
-                    "      a planned deployment, with kvfence serve's defaults (pool 4 x max context)\n"
+                    f"      a planned deployment, with kvfence serve's defaults (pool {POOL_CONTEXTS} x max context)\n"
                     "  kvfence audit --url http://HOST:PORT [--key KEY]\n"
                     "      a running kvfence server (its /health) or SGLang server or PD load balancer (its server\n"
                     "      info), told apart automatically; repeat --url to audit several servers together\n\n"
@@ -363,7 +363,7 @@ def add_audit_parser(sub) -> None:
     plan.add_argument("--decode", type=_count, metavar="N", default=1, help="decode workers")
     pool = p.add_argument_group("pools (without --url): tokens or memory per node; a role's own flag wins")
     pool.add_argument("--kv-pool-tokens", type=_count, metavar="N",
-                      help="every node's pool in tokens (default: 4 x max context)")
+                      help=f"every node's pool in tokens (default: {POOL_CONTEXTS} x max context)")
     pool.add_argument("--prefill-pool-tokens", type=_count, metavar="N")
     pool.add_argument("--decode-pool-tokens", type=_count, metavar="N")
     pool.add_argument("--pool-memory", type=parse_bytes, metavar="SIZE",
