@@ -209,8 +209,8 @@ def load(args: argparse.Namespace):
 
 
 def describe(args: argparse.Namespace):
-    """What the router needs, without loading weights: (served name, tokenizer, max_context)."""
-    from kvfence.model.loader import describe_model
+    """What the router needs, without loading weights: (served name, tokenizer, max_context). Imports no torch."""
+    from kvfence.model.describe import describe_model
 
     name, config, tokenizer = describe_model(args.model)
     return args.served_model_name or name, tokenizer, served_context(args, config.max_context)
@@ -238,7 +238,7 @@ def threads_per_worker(args: argparse.Namespace, workers: int) -> int:
 
 def worker_settings(args, role: str, bind: str, router: str, max_context: int, pool_tokens: int,
                     advertise: str | None = None, threads: int | None = None):
-    from kvfence.workers.common import WorkerSettings
+    from kvfence.workers.settings import WorkerSettings
 
     return WorkerSettings(
         role=role, bind=bind, router=router, model=args.model, dtype=args.dtype, device=args.device,

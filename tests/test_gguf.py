@@ -1,7 +1,9 @@
-"""Our GGUF reader (kvfence.model.gguf_file) against gguf.GGUFReader, and its errors."""
+"""Our GGUF reader (kvfence.model.gguf_file) against gguf.GGUFReader, its errors, and a torch-free router."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,3 +122,23 @@ def test_not_a_gguf_file_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=rf"{other.name}: not a GGUF file"):
         read_gguf(other)
 
+
+def test_router_path_imports_no_torch():
+    """What ``kvfence serve``'s parent and ``kvfence router`` import and run before serving: no torch."""
+    code = """if True:
+        import sys
+        from kvfence import cli
+        args = cli.build_parser().parse_args(["serve"])
+        name, tokenizer, max_context = cli.describe(args)
+        from kvfence.tools.audit import refuse_to_start_unless_fits
+        from kvfence.workers.supervisor import Supervisor, free_tcp_address
+        cli.worker_settings(args, "prefill", free_tcp_address(), free_tcp_address(), max_context, 2 * max_context)
+        from kvfence.router.app import create_app
+        from kvfence.router.remote import RemoteEngine
+        import uvicorn
+        assert max_context == 8192 and tokenizer.encode("hi"), (max_context, name)
+        print("torch" in sys.modules)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "the router imports torch"

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -26,34 +25,12 @@ from kvfence.protocol.actions import Action, Send
 from kvfence.protocol.messages import Hello, Message, encode_message
 from kvfence.safety import Safety
 from kvfence.workers.channel import Channel
+from kvfence.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
 TICK_S = 0.05
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """Everything a worker process needs to start (picklable: it crosses the process spawn)."""
-
-    role: str  # "prefill" | "decode"
-    bind: str  # ZeroMQ address to bind the inbox to (its id unless ``advertise`` is set)
-    router: str  # the router's inbox address
-    model: str
-    dtype: str
-    device: str
-    max_context: int
-    pool_tokens: int
-    page_size: int = 16
-    chunk_size: int = 512
-    max_batch: int = 64
-    transfer: str = "shm"
-    advertise: str | None = None
-    emulate_incident: bool = False
-    threads: int = 0
-    log_level: str = "INFO"
-    handoff_timeout: float = 30.0  # each handoff step (decode: pages, then Done; prefill: Dest) may take this long
 
 
 class WorkerBase:

@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import Callable
 
-from kvfence.workers.common import WorkerSettings
+from kvfence.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
