@@ -130,17 +130,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     pool = args.kv_pool_tokens or default_pool_tokens(max_context)
     router_addr = free_tcp_address()
     workers = []
-    threads = threads_per_worker(args, args.prefill + args.decode)
+    threads, solo = local_threads(args)
     for role, count, role_pool in (("prefill", args.prefill, args.prefill_pool_tokens),
                                    ("decode", args.decode, args.decode_pool_tokens)):
         refuse_to_start_unless_fits(role, role_pool or pool, args.page_size, max_context)
         workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, role_pool or pool,
-                                    threads=threads) for _ in range(count)]
+                                    threads=threads, solo_threads=solo if role == "decode" else 0)
+                    for _ in range(count)]
     engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers))
     supervisor = Supervisor(workers, engine.worker_died)
     supervisor.start()
-    log.info("started %d prefill and %d decode workers (transfer %s, %s threads each)", args.prefill, args.decode,
-             args.transfer, threads or "torch's default")
+    log.info("started %d prefill and %d decode workers (transfer %s, %s threads each%s)", args.prefill, args.decode,
+             args.transfer, threads or "torch's default", f"; decode {solo} while no prefill runs" if solo else "")
     try:
         return run_http(args, engine, tokenizer, supervisor)
     finally:
@@ -225,19 +226,23 @@ def served_context(args: argparse.Namespace, model_context: int) -> int:
     return args.max_context
 
 
-def threads_per_worker(args: argparse.Namespace, workers: int) -> int:
-    """``--threads``, else this host's cores split evenly between ``workers`` local CPU workers.
+def local_threads(args: argparse.Namespace) -> tuple[int, int]:
+    """``(threads, solo_threads)`` for the workers ``serve`` starts on this host.
 
-    OpenMP threads that outnumber the cores stall at every barrier (one waits for a descheduled
-    peer), so a prefill and a decode worker sharing 2 cores run fastest with 1 thread each.
+    ``--threads`` if given (no solo), else the cores split evenly between the workers: OpenMP threads
+    that outnumber the cores stall at every barrier (one waits for a descheduled peer), so a prefill and
+    a decode worker on 2 cores run fastest with 1 thread each. A lone decode worker knows when no prefill
+    works for it (each prefill follows a grant of its pages), and then takes every core.
     """
     if args.threads or args.device != "cpu":
-        return args.threads
-    return max(1, len(os.sched_getaffinity(0)) // workers)
+        return args.threads, 0
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // (args.prefill + args.decode))
+    return threads, cores if args.decode == 1 and cores > threads else 0
 
 
 def worker_settings(args, role: str, bind: str, router: str, max_context: int, pool_tokens: int,
-                    advertise: str | None = None, threads: int | None = None):
+                    advertise: str | None = None, threads: int | None = None, solo_threads: int = 0):
     from kvfence.workers.settings import WorkerSettings
 
     return WorkerSettings(
@@ -245,7 +250,7 @@ def worker_settings(args, role: str, bind: str, router: str, max_context: int, p
         max_context=max_context, pool_tokens=pool_tokens, page_size=args.page_size, chunk_size=args.chunk_size,
         max_batch=args.max_batch, transfer=args.transfer, advertise=advertise,
         emulate_incident=getattr(args, "emulate_incident", False),
-        threads=args.threads if threads is None else threads, log_level=args.log_level,
+        threads=args.threads if threads is None else threads, solo_threads=solo_threads, log_level=args.log_level,
         handoff_timeout=args.handoff_timeout)
 
 

@@ -412,3 +412,27 @@ def test_decode_attention_kernel_matches_sdpa_and_ignores_its_neighbours():
         ref = torch.nn.functional.scaled_dot_product_attention(q[i].float()[:, None], k, v).reshape(-1)
         err = (together[i].float() - ref).abs()
         assert (err <= 2**-8 * ref.abs() + 1e-5).all(), (s, err.max())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no decode kernel here (needs a C compiler and AVX512-BF16)")
+def test_decode_kernels_give_the_same_bits_on_any_thread_count():
+    """A lone decode worker runs the C kernels on every core while no prefill runs, on fewer otherwise."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 576, generator=gen).bfloat16(), torch.randn(960, 576, generator=gen).bfloat16()
+    kv, q = torch.randn(512, 2, 3, 64, generator=gen).bfloat16(), torch.randn(3, 9, 64, generator=gen).bfloat16()
+    slots, starts = torch.randperm(512, generator=gen)[:300], torch.tensor([0, 17, 150, 300])
+
+    def run() -> list[torch.Tensor]:
+        norm = kernels.add_rms_norm(x, None, w[0], 1e-5)
+        attn = kernels.decode_attention(q, kv, slots, starts, torch.empty(3, 9 * 64).bfloat16())
+        return [kernels.gemm(x, w), norm, attn]
+
+    try:
+        results = []
+        for n in (1, 2, 3):
+            kernels.set_threads(n)
+            results.append(run())
+    finally:
+        kernels.set_threads(0)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

@@ -55,6 +55,19 @@ def test_decode_happy_path_grants_exact_pages_then_starts_decoding():
     assert core.pages.state[:2].tolist() == [PageState.READY] * 2
 
 
+def test_decode_knows_when_a_prefill_may_be_working_for_it():
+    """Waiting for pages, granted and awaiting Done, aborting: a prefill may be busy; decoding only: none is."""
+    core = decode_core(pages=2)
+    assert not core.prefill_pending()
+    core.handle(R, admit(6), now=0)  # granted both pages, awaiting Done
+    core.handle(R, admit(6, rid=RID + 1), now=0)  # waits for pages
+    assert core.prefill_pending()
+    core.handle(P, Done(RID, tokens=6, checksum=1, first_token=42), now=1)
+    assert core.prefill_pending()  # the second still waits
+    core.handle(R, Cancel(RID + 1), now=2)
+    assert not core.prefill_pending()
+
+
 def test_decode_rejects_over_length_before_any_grant():
     core = decode_core()
     out = core.handle(R, admit(60, max_tokens=10), now=0)

@@ -23,7 +23,19 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_gemm.c")
+_threads = 0  # threads of the C kernels; 0: torch's count
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-fPIC", "-shared"]
+
+
+def set_threads(n: int) -> None:
+    """Run the C kernels on ``n`` threads (0: torch's count). Their results do not depend on it: threads split
+    the rows, sequences or columns, and each is computed by the same instructions whichever thread runs it."""
+    global _threads
+    _threads = n
+
+
+def _nthreads() -> int:
+    return _threads or torch.get_num_threads()
 
 
 def _cpu_has(*features: str) -> bool:
@@ -88,7 +100,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, amx:
     lib = _library()
     fn = lib.kvf_gemm_amx if (lib.amx if amx is None else amx) and K % 32 == 0 and N % 16 == 0 else lib.kvf_gemm_bf16
     fn(
-        x.data_ptr(), x.stride(0), w.data_ptr(), K, out.data_ptr(), out.stride(0), M, N, K, torch.get_num_threads()
+        x.data_ptr(), x.stride(0), w.data_ptr(), K, out.data_ptr(), out.stride(0), M, N, K, _nthreads()
     )
     return out
 
@@ -116,7 +128,7 @@ def decode_attention(
         raise ValueError("decode attention: slots and starts must be contiguous int64")
     _library().kvf_decode_attention(
         q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), slots.data_ptr(), starts.data_ptr(), n, H, KV, D,
-        D**-0.5, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        D**-0.5, out.data_ptr(), out.stride(0), _nthreads(),
     )
     return out
 
@@ -132,7 +144,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: 
     h = torch.empty(T, N, dtype=torch.bfloat16)
     _library().kvf_add_rms_norm(
         x.data_ptr(), x.stride(0), None if y is None else y.data_ptr(), 0 if y is None else y.stride(0),
-        w.data_ptr(), h.data_ptr(), N, T, N, eps, torch.get_num_threads(),
+        w.data_ptr(), h.data_ptr(), N, T, N, eps, _nthreads(),
     )
     return h
 
@@ -153,5 +165,5 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torc
         raise ValueError("rope_write: tables and slots must be contiguous")
     _library().kvf_rope_write(
         qkv.data_ptr(), qkv.stride(0), heads - 2 * KV, KV, D, cos.data_ptr(), sin.data_ptr(), T, kv.data_ptr(),
-        kv.stride(0), slots.data_ptr(), torch.get_num_threads(),
+        kv.stride(0), slots.data_ptr(), _nthreads(),
     )

@@ -91,6 +91,10 @@ class DecodeCore:
     def pool_tokens(self) -> int:
         return self.pages.num_pages * self.limits.page_size
 
+    def prefill_pending(self) -> bool:
+        """Whether some prefill worker may be computing or writing KV for one of this worker's requests."""
+        return any(r.state is not DState.DECODING for r in self.reqs.values())
+
     def handle(self, sender: str, msg: Message, now: float) -> list[Action]:
         actions: list[Action] = []
         match msg:

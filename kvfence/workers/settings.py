@@ -24,6 +24,7 @@ class WorkerSettings:
     transfer: str = "shm"
     advertise: str | None = None
     emulate_incident: bool = False
-    threads: int = 0
+    threads: int = 0  # CPU threads (0: torch's default)
+    solo_threads: int = 0  # decode: threads while no prefill works for it (0: always ``threads``)
     log_level: str = "INFO"
     handoff_timeout: float = 30.0  # each handoff step (decode: pages, then Done; prefill: Dest) may take this long
