@@ -435,4 +435,4 @@ def test_decode_kernels_give_the_same_bits_on_any_thread_count():
     finally:
         kernels.set_threads(0)
     for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))

@@ -133,7 +133,7 @@ def parse_bytes(text: str) -> int:
 @functools.cache
 def describe(model: str) -> tuple[str, ModelConfig]:
     """``(name, config)`` of ``model`` from its metadata only (no weights are read)."""
-    from kvfence.model.loader import describe_model
+    from kvfence.model.describe import describe_model
 
     try:
         name, cfg, _ = describe_model(model)
