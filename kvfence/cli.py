@@ -155,7 +155,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from kvfence.model.loader import describe_model
+    from kvfence.model.describe import describe_model
     from kvfence.tools.audit import refuse_to_start_unless_fits
     from kvfence.workers.supervisor import run_worker
 
