@@ -5,10 +5,11 @@ for the linear layers, each chunk's new K/V is written to its own slots, and att
 [0, start_pos + n) of each sequence only. Decode chunks (one token) whose sequences have the same length share one
 attention call (a batch of sequences, no padding); longer chunks get a call each.
 
-Batch invariance: a chunk's logits are bit-identical whatever other chunks share the call. Linear layers run in
-row blocks of calibrated sizes (``invariant.py``), norms and activations are row-wise, and attention never mixes
-sequences: a batched decode call computes each sequence as its own (batch, head) problem, with the same shapes
-(one query per head, the same key length) as when that sequence is alone, which the tests check bit for bit.
+Batch invariance: a chunk's logits are bit-identical whatever other chunks share the call. Linear layers run row
+by row in the C kernel (or, without it, in row blocks of calibrated sizes, ``invariant.py``), norms and activations
+are row-wise, and attention never mixes sequences: a batched decode call computes each sequence as its own (batch,
+head) problem, with the same shapes (one query per head, the same key length) as when that sequence is alone,
+which the tests check bit for bit.
 Nothing a row computes depends on its neighbours or its position in the batch, so the forward is free to reorder
 chunks (decode groups first) and restores the caller's order in the logits.
 
