@@ -134,14 +134,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for role, count, role_pool in (("prefill", args.prefill, args.prefill_pool_tokens),
                                    ("decode", args.decode, args.decode_pool_tokens)):
         refuse_to_start_unless_fits(role, role_pool or pool, args.page_size, max_context)
+        role_solo = solo if role == "decode" or args.prefill == args.decode == 1 else 0
         workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, role_pool or pool,
-                                    threads=threads, solo_threads=solo if role == "decode" else 0)
-                    for _ in range(count)]
+                                    threads=threads, solo_threads=role_solo) for _ in range(count)]
     engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers))
     supervisor = Supervisor(workers, engine.worker_died)
     supervisor.start()
     log.info("started %d prefill and %d decode workers (transfer %s, %s threads each%s)", args.prefill, args.decode,
-             args.transfer, threads or "torch's default", f"; decode {solo} while no prefill runs" if solo else "")
+             args.transfer, threads or "torch's default", f"; {solo} while the other role idles" if solo else "")
     try:
         return run_http(args, engine, tokenizer, supervisor)
     finally:
@@ -232,7 +232,8 @@ def local_threads(args: argparse.Namespace) -> tuple[int, int]:
     ``--threads`` if given (no solo), else the cores split evenly between the workers: OpenMP threads
     that outnumber the cores stall at every barrier (one waits for a descheduled peer), so a prefill and
     a decode worker on 2 cores run fastest with 1 thread each. A lone decode worker knows when no prefill
-    works for it (each prefill follows a grant of its pages), and then takes every core.
+    works for it (each prefill follows a grant of its pages), and then runs its C kernels on every core;
+    so does the prefill worker of a 1 + 1 deployment while the router saw both idle (``Prefill.idle_pair``).
     """
     if args.threads or args.device != "cpu":
         return args.threads, 0

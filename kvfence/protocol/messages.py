@@ -91,6 +91,7 @@ class Prefill(RequestMsg, frozen=True):
     prompt_ids: list[int]
     params: Params
     decode: str  # the decode worker's id
+    idle_pair: bool = False  # the router had no other request on this prefill or this decode worker (a hint)
 
 
 class Cancel(RequestMsg, frozen=True):

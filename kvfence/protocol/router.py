@@ -81,12 +81,13 @@ class RouterCore:
             return [Deliver(req.rid, error=err)]
         prefill, decode = pair
         self.reqs[req.rid] = RouterReq(req.rid, req.tenant, prefill, decode)
+        idle_pair = self.workers[prefill].in_flight == self.workers[decode].in_flight == 0
         self.workers[prefill].in_flight += 1
         self.workers[decode].in_flight += 1
         params = Params.of(req.params)
         return [
             Send(decode, Admit(req.rid, req.tenant, req.prompt_ids, params, prefill)),
-            Send(prefill, Prefill(req.rid, req.tenant, req.prompt_ids, params, decode)),
+            Send(prefill, Prefill(req.rid, req.tenant, req.prompt_ids, params, decode, idle_pair)),
         ]
 
     def client_gone(self, rid: int) -> list[Action]:
