@@ -517,14 +517,15 @@ class Soak:
                                                 "though the soak did not kill it")
 
     def check_still_serves(self, server: LocalServer) -> int:
-        """Plain chats after the storm (faults still on: each may be retried once). Returns requests sent."""
+        """Plain chats after the storm. Faults are still on, so each may fail and is retried up to 3 times (a drained
+        or dead server fails every try; a 200 with a wrong answer is never retried). Returns requests sent."""
         prompts = [p for p in self.prompts if p.tenant is None and not p.token_ids]
 
         async def ask() -> tuple[int, list[bool]]:
             sent, ok = 0, []
             async with httpx.AsyncClient(base_url=server.url, timeout=self.s.timeout) as client:
                 for p in prompts:
-                    for _ in range(2):
+                    for _ in range(4):
                         job = Job(-1, self.tenants[0], p, stream=False, max_tokens=self.s.max_tokens)
                         out = await run_job(client, job, self.keys[job.tenant], self.model_id, self.s.timeout,
                                             self.rng)
