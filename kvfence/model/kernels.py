@@ -88,16 +88,15 @@ def available() -> bool:
     return _library() is not None
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, amx: bool | None = None) -> torch.Tensor:
-    """``out [M, N] = x [M, K] @ w [N, K].T`` in bfloat16 on CPU; rows of x and out may have any row stride."""
+def gemm(x: torch.Tensor, w: torch.Tensor, amx: bool | None = None) -> torch.Tensor:
+    """``x [M, K] @ w [N, K].T -> [M, N]`` in bfloat16 on CPU; rows of x may have any row stride."""
     M, K = x.shape
     N = w.shape[0]
-    if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16)
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise TypeError("decode gemm is bfloat16 only")
-    if x.stride(1) != 1 or not w.is_contiguous() or out.stride(1) != 1 or w.shape[1] != K or out.shape != (M, N):
-        raise ValueError(f"decode gemm: bad layout {tuple(x.shape)} x {tuple(w.shape)} -> {tuple(out.shape)}")
+    if x.stride(1) != 1 or not w.is_contiguous() or w.shape[1] != K:
+        raise ValueError(f"decode gemm: bad layout {tuple(x.shape)} x {tuple(w.shape)}")
+    out = torch.empty(M, N, dtype=torch.bfloat16)
     lib = _library()
     fn = lib.kvf_gemm_amx if (lib.amx if amx is None else amx) and K % 32 == 0 and N % 16 == 0 else lib.kvf_gemm_bf16
     fn(
