@@ -134,14 +134,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for role, count, role_pool in (("prefill", args.prefill, args.prefill_pool_tokens),
                                    ("decode", args.decode, args.decode_pool_tokens)):
         refuse_to_start_unless_fits(role, role_pool or pool, args.page_size, max_context)
-        role_solo = solo if role == "decode" or args.prefill == args.decode == 1 else 0
         workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, role_pool or pool,
-                                    threads=threads, solo_threads=role_solo) for _ in range(count)]
+                                    threads=threads, solo_threads=solo[role]) for _ in range(count)]
     engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers))
     supervisor = Supervisor(workers, engine.worker_died)
     supervisor.start()
     log.info("started %d prefill and %d decode workers (transfer %s, %s threads each%s)", args.prefill, args.decode,
-             args.transfer, threads or "torch's default", f"; {solo} while the other role idles" if solo else "")
+             args.transfer, threads or "torch's default",
+             "".join(f"; {role} {n} while the other role idles" for role, n in solo.items() if n))
     try:
         return run_http(args, engine, tokenizer, supervisor)
     finally:
@@ -226,8 +226,8 @@ def served_context(args: argparse.Namespace, model_context: int) -> int:
     return args.max_context
 
 
-def local_threads(args: argparse.Namespace) -> tuple[int, int]:
-    """``(threads, solo_threads)`` for the workers ``serve`` starts on this host.
+def local_threads(args: argparse.Namespace) -> tuple[int, dict[str, int]]:
+    """``(threads, {role: solo_threads})`` for the workers ``serve`` starts on this host.
 
     ``--threads`` if given (no solo), else the cores split evenly between the workers: OpenMP threads
     that outnumber the cores stall at every barrier (one waits for a descheduled peer), so a prefill and
@@ -236,10 +236,11 @@ def local_threads(args: argparse.Namespace) -> tuple[int, int]:
     so does the prefill worker of a 1 + 1 deployment while the router saw both idle (``Prefill.idle_pair``).
     """
     if args.threads or args.device != "cpu":
-        return args.threads, 0
+        return args.threads, {"prefill": 0, "decode": 0}
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // (args.prefill + args.decode))
-    return threads, cores if args.decode == 1 and cores > threads else 0
+    solo = cores if args.decode == 1 and cores > threads else 0
+    return threads, {"prefill": solo if args.prefill == 1 else 0, "decode": solo}
 
 
 def worker_settings(args, role: str, bind: str, router: str, max_context: int, pool_tokens: int,

@@ -21,6 +21,7 @@ from kvfence.engine.engine import Engine
 from kvfence.faults import Faults
 from kvfence.kvcache.layout import KVLayout
 from kvfence.kvcache.pool import KVPool
+from kvfence.model import kernels
 from kvfence.protocol.actions import Action, Send
 from kvfence.protocol.messages import Hello, Message, encode_message
 from kvfence.safety import Safety
@@ -64,6 +65,12 @@ class WorkerBase:
         s = self.settings
         return EngineConfig(max_context=s.max_context, kv_pool_tokens=pool_tokens, page_size=s.page_size,
                             max_batch=s.max_batch, chunk_size=s.chunk_size)
+
+    def kernel_threads(self, other_role_idle: bool) -> None:
+        """With ``solo_threads``, the C kernels run on that many threads while the other role idles, else on the
+        worker's own count. Their results are the same bits on any count, so this only moves speed."""
+        if self.settings.solo_threads:
+            kernels.set_threads(self.settings.solo_threads if other_role_idle else 0)
 
     # -- what each role provides ------------------------------------------------------
 

@@ -17,7 +17,6 @@ from kvfence.engine.engine import Engine
 from kvfence.faults import flip_one_byte
 from kvfence.kvcache.layout import check_landing
 from kvfence.kvcache.pages import PageGrant
-from kvfence.model import kernels
 from kvfence.protocol.actions import Action, StartDecode, StopDecode
 from kvfence.protocol.decode import DecodeCore, DecodeLimits
 from kvfence.protocol.messages import ErrorInfo, Hello, Output, Reject, WorkerDown
@@ -66,8 +65,7 @@ class DecodeWorker(WorkerBase):
         return self.core.handle(sender, msg, now)
 
     def step(self, now: float) -> list[Action]:
-        if self.settings.solo_threads:  # the C kernels take every core while no prefill runs (same bits either way)
-            kernels.set_threads(0 if self.core.prefill_pending() else self.settings.solo_threads)
+        self.kernel_threads(other_role_idle=not self.core.prefill_pending())
         actions: list[Action] = []
         for out in self._engine.step():
             actions += self.core.engine_output(self.to_message(out), now)

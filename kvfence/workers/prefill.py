@@ -18,7 +18,6 @@ from kvfence.core import KvfenceError, Request, ServiceUnavailable
 from kvfence.engine.engine import Engine
 from kvfence.engine.scheduler import Sequence, Work
 from kvfence.kvcache.layout import TAG_BYTES, KVLayout, tokens_per_page, transfer_checksum
-from kvfence.model import kernels
 from kvfence.protocol.actions import Action, StartPrefill, StopPrefill
 from kvfence.protocol.messages import Hello, Peers, WorkerDown
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
@@ -187,8 +186,7 @@ class PrefillWorker(WorkerBase):
         return self.core.handle(sender, msg, now)
 
     def step(self, now: float) -> list[Action]:
-        if self.settings.solo_threads:  # the C kernels take every core while its decode idles (same bits either way)
-            kernels.set_threads(self.settings.solo_threads if self.core.idle_pair() else 0)
+        self.kernel_threads(other_role_idle=self.core.idle_pair())
         self.runner.step()
         return self.collect()
 
