@@ -7,8 +7,9 @@ server, and compare the verdict with the row's expectation:
 - ``clean``: the probe found nothing (over-length requests got 400);
 - ``harm detected``: a leak, an over-length request answered 200, or greedy output changed under load;
 - ``contained (5xx)``: only over-length requests answered 5xx (a landing check's 500 ``kv_integrity``, not 400);
-- ``contained, then unavailable``: no harm, but a landing check quarantined the attacker's pages for good, so the
-  decode pool is left too small and later requests get 503 (the probe may then stop early, exit 2);
+- ``contained, then unavailable``: no harm, but a landing check's quarantined pages stayed quarantined (their
+  writer never acknowledged the abort), so the decode pool is left too small and later requests get 503 (the probe
+  may then stop early, exit 2);
 - ``refused to start (L0)``: the server exited with status 2 at preflight;
 - ``inconclusive`` / ``error``: the probe could not conclude, or something broke.
 
@@ -76,12 +77,12 @@ class Row:
 ALONE_NOTES = {
     "admission": "the router rejects over-length prompts before any grant",
     "propagation": "prefill's rejection reaches the client",
-    "tags": "caught on landing (500, not 400); its 65 pages stay quarantined, leaving decode 3 of 68: 503s after",
+    "tags": "caught on landing (500, not 400); its 65 pages come back once prefill acks the abort",
     "coverage": "prefill refuses the 1-token placeholder for the granted pages: 500 kv_integrity, not 400",
-    "checksum": "caught on landing (500, not 400); its 65 pages stay quarantined, leaving decode 3 of 68: 503s after",
+    "checksum": "caught on landing (500, not 400); its 65 pages come back once prefill acks the abort",
 }
-ALONE_EXPECT = {"admission": CLEAN, "propagation": CLEAN, "tags": UNAVAILABLE, "coverage": CONTAINED,
-                "checksum": UNAVAILABLE}
+ALONE_EXPECT = {"admission": CLEAN, "propagation": CLEAN, "tags": CONTAINED, "coverage": CONTAINED,
+                "checksum": CONTAINED}
 
 ROWS: list[Row] = [
     # Victims of 1,000 tokens: near-context (8k) ones outlast the 30 s handoff timeout on 2 CPU cores (503).

@@ -86,10 +86,31 @@ def test_decode_coverage_mismatch_quarantines_and_fails_with_500():
     core = decode_core()
     core.handle(R, admit(6), now=0)
     out = core.handle(P, Done(RID, tokens=1, checksum=0, first_token=7), now=1)
-    assert len(out) == 1 and out[0].to == R and out[0].msg.error.status == 500
+    assert len(out) == 2 and out[0].to == R and out[0].msg.error.status == 500
+    assert out[1] == Send(P, Abort(RID))  # the writer must confirm that nothing more lands
     reason = "coverage: 1 tokens written, 6 expected"
     assert core.pages.quarantine_reason == {0: reason, 1: reason}
     core.pages.check_integrity()
+
+
+def test_decode_pages_of_a_failed_landing_come_back_once_the_writer_acks_the_abort():
+    """A failed verification must not cost the pool its pages for good: AbortAck (or death) releases them."""
+    core = decode_core(verdict="checksum: page 0: checksum mismatch")
+    core.handle(R, admit(6), now=0)
+    core.handle(P, Done(RID, 6, 0, 7), now=1)
+    assert core.pages.num_quarantined == 2
+    assert core.handle(D, AbortAck(RID), now=2) == [] and core.pages.num_quarantined == 2  # not from the writer
+    assert core.handle(P, AbortAck(RID), now=2) == []
+    assert core.pages.num_free == 4 and core.pages.num_quarantined == 0 and core.held == {}
+    core.pages.check_integrity()
+    core.handle(R, admit(14, rid=RID + 1), now=3)  # the whole pool again; the released pages' epochs move on
+    assert core.reqs[RID + 1].grants == [PageGrant(2, 1), PageGrant(3, 1), PageGrant(0, 2), PageGrant(1, 2)]
+
+    core = decode_core(verdict="tags: page 1: owner mismatch")
+    core.handle(R, admit(6), now=0)
+    core.handle(P, Done(RID, 6, 0, 7), now=1)
+    core.peer_down(P, now=2)  # a dead writer writes nothing either
+    assert core.pages.num_free == 4 and core.held == {}
 
 
 def test_decode_coverage_off_decodes_a_short_transfer():
@@ -104,7 +125,7 @@ def test_decode_verifier_failure_blocks_decoding():
     core.handle(R, admit(6), now=0)
     out = core.handle(P, Done(RID, 6, 0, 7), now=1)
     assert out[0].msg.error.code == "kv_integrity" and "owner mismatch" in out[0].msg.error.message
-    assert core.pages.num_quarantined == 2
+    assert not any(isinstance(a, StartDecode) for a in out) and core.pages.num_quarantined == 2
 
 
 def test_decode_cancel_mid_transfer_waits_for_abort_ack():

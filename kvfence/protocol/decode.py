@@ -12,10 +12,12 @@ after the handoff timeout ends with a 503 (and a Fail to prefill).
 Contracts:
 - Pages granted for a transfer are freed only after Done, Fail or AbortAck
   from the writer, or after its death; a silent writer's pages are
-  quarantined, never reused (L6).
+  quarantined, never reused (L6), until it speaks or dies.
 - A Done is accepted only if it covers exactly the prompt (L4) and the
-  landed pages pass ``verify`` (L3 tags, L5 checksums); otherwise the pages
-  are quarantined and the client gets a 500.
+  landed pages pass ``verify`` (L3 tags, L5 checksums); otherwise the client
+  gets a 500 and the pages are quarantined until the writer answers an
+  Abort (its AbortAck says no write for the request follows) or dies, so
+  one bad transfer cannot drain the pool.
 - Every request that ends here without finishing normally sends the router
   a Reject, unless the router itself cancelled it.
 """
@@ -85,7 +87,7 @@ class DecodeCore:
         self.verify = verify
         self.reqs: dict[int, DecodeReq] = {}
         self.waiting: deque[int] = deque()
-        self.silent: dict[int, tuple[str, list[int]]] = {}  # rid -> (writer, pages) quarantined for a silent writer
+        self.held: dict[int, tuple[str, list[int]]] = {}  # rid -> (writer, pages) quarantined until the writer speaks
 
     @property
     def pool_tokens(self) -> int:
@@ -122,8 +124,7 @@ class DecodeCore:
                 err = ServiceUnavailable(f"prefill worker {req.prefill} did not finish the KV transfer in time")
                 actions += [self._reject(req.rid, err), *self._abort(req, now)]
             elif req.state is DState.ABORTING and now >= req.deadline:
-                self.silent[req.rid] = (req.prefill, [g.page for g in req.grants])
-                self._quarantine(req, f"no Done/AbortAck from {req.prefill} within {self.limits.abort_timeout}s")
+                self._hold(req, f"no Done/AbortAck from {req.prefill} within {self.limits.abort_timeout}s")
         return actions + self._grant_waiting(now)
 
     def engine_output(self, out: Output | Reject, now: float) -> list[Action]:
@@ -142,7 +143,7 @@ class DecodeCore:
                 if req.state is DState.AWAIT_DONE:
                     actions.append(self._reject(req.rid, ServiceUnavailable(f"prefill worker {worker} died")))
                 self._release(req)
-        for rid, (writer, _) in list(self.silent.items()):
+        for rid, (writer, _) in list(self.held.items()):
             if writer == worker:
                 self._writer_heard(rid, worker)
         return actions + self._grant_waiting(now)
@@ -195,9 +196,9 @@ class DecodeCore:
             return []
         problem = self._landing_problem(req, msg)
         if problem is not None:
-            self._quarantine(req, problem)
-            return [self._reject(req.rid, IntegrityError(f"KV transfer failed verification: {problem}",
-                                                         layer=layer_of(problem)))]
+            self._hold(req, problem)
+            err = IntegrityError(f"KV transfer failed verification: {problem}", layer=layer_of(problem))
+            return [self._reject(req.rid, err), Send(req.prefill, Abort(req.rid))]
         self.pages.set_state(req.rid, req.grants, PageState.READY)
         req.state = DState.DECODING
         grants, req.grants = req.grants, []
@@ -251,7 +252,9 @@ class DecodeCore:
         self.pages.free(req.rid, req.grants)
         self._forget(req)
 
-    def _quarantine(self, req: DecodeReq, reason: str) -> None:
+    def _hold(self, req: DecodeReq, reason: str) -> None:
+        """Quarantine the request's pages until its writer speaks (Done, Fail, AbortAck) or dies."""
+        self.held[req.rid] = (req.prefill, [g.page for g in req.grants])
         self.pages.quarantine(req.rid, req.grants, reason)
         self._forget(req)
 
@@ -260,10 +263,10 @@ class DecodeCore:
         del self.reqs[req.rid]
 
     def _writer_heard(self, rid: int, writer: str) -> None:
-        """A silent writer finally answered (or died): its quarantined pages may be reused."""
-        entry = self.silent.get(rid)
+        """The writer of held pages answered (or died): no write of its can land there any more."""
+        entry = self.held.get(rid)
         if entry is not None and entry[0] == writer:
-            del self.silent[rid]
+            del self.held[rid]
             for page in entry[1]:
                 self.pages.release_quarantine(page)
 

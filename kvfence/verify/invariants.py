@@ -76,9 +76,9 @@ def integrity(w: World) -> list[Violation]:
         held = [p for p, state in enumerate(pages.state.tolist()) if GRANTED <= state <= READY]
         if granted != held:
             out.append(Violation("I5", f"pages held {held} differ from pages of live requests {granted}"))
-        for rid, (_writer, silent) in core.silent.items():
-            if any(pages.state[p] != QUARANTINED for p in silent):
-                out.append(Violation("I5", f"{w._name(rid)}'s pages {silent} are recorded as quarantined but not"))
+        for rid, (_writer, held) in core.held.items():
+            if any(pages.state[p] != QUARANTINED for p in held):
+                out.append(Violation("I5", f"{w._name(rid)}'s pages {held} are recorded as quarantined but not"))
     for worker, info in w.router.workers.items() if ROUTER in w.changed else ():
         n = sum(1 for r in w.router.reqs.values() if worker in (r.prefill, r.decode))
         if info.in_flight != n:

@@ -1143,10 +1143,10 @@ def _copy_decode(node: DecodeNode) -> DecodeNode:
         for r in c.reqs.values():
             r.grants = list(r.grants)
         c.waiting = type(core.waiting)(core.waiting)
-        c.silent = dict(core.silent)
+        c.held = dict(core.held)
         c.pages = _copy_pages(core.pages)
         c.verify = PlaneVerifier(new, core.verify.safety, core.verify.page_size)
-        _copy_extra(core, c, ("me", "router", "pages", "limits", "safety", "verify", "reqs", "waiting", "silent"))
+        _copy_extra(core, c, ("me", "router", "pages", "limits", "safety", "verify", "reqs", "waiting", "held"))
     return new
 
 
