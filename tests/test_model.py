@@ -13,6 +13,8 @@ import torch
 from kvfence.config import ModelConfig
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import invariant, kernels
+from kvfence.model.blocks import BlockWeight
+from kvfence.model.gguf_file import read_gguf
 from kvfence.model.llama import Model, SeqChunk
 from kvfence.model.loader import _unpermute_rope, load_model, smollm2_gguf_path
 from tests.tiny_models import ARCHS, greedy, smollm2, tiny_model_dir
@@ -436,3 +438,50 @@ def test_decode_kernels_give_the_same_bits_on_any_thread_count():
         kernels.set_threads(0)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+
+
+needs_blocks = pytest.mark.skipif(not kernels.blocks_supported(), reason="block weights need the C kernels and AMX")
+
+
+@needs_blocks
+def test_block_weights_expand_to_exactly_the_dequantized_bf16():
+    """The GGUF's own Q4_1 and Q8_0 tensors: ``dequantize`` equals gguf's, and the kernel's on-the-fly expansion
+    gives the same bits as a matmul over the dequantized bf16 weights, for any M, rows reordered or fused."""
+    gguf = pytest.importorskip("gguf")
+    parsed = read_gguf(smollm2_gguf_path())
+    tensors = {t.name: t for t in parsed.tensors}
+    gen = torch.Generator().manual_seed(5)
+    for name in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        shape = tuple(reversed(t.shape))
+        w = BlockWeight.from_gguf(t.tensor_type.name, parsed.tensor_data(t), shape)
+        ref = torch.from_numpy(gguf.quants.dequantize(parsed.tensor_data(t), t.tensor_type).reshape(shape))
+        assert torch.equal(w.dequantize(), ref), name
+        if name.startswith("blk.0"):  # Q/K rows are reordered at load, and fused with others
+            w = BlockWeight.cat([w.reorder_rows(torch.randperm(shape[0], generator=gen)), w])
+        dense = w.dequantize().bfloat16()
+        x = torch.randn(40, shape[1], generator=gen).bfloat16()
+        for m in (1, 5, 17, 40):
+            assert torch.equal(kernels.gemm(x[:m], w), kernels.gemm(x[:m], dense)), (name, m)
+        rows = torch.tensor([0, 7, 3, shape[0] - 1])
+        assert torch.equal(kernels.expand_rows(w, rows), dense[rows]), name
+
+
+@needs_blocks
+def test_bf16_model_keeps_its_blocks_and_computes_what_the_dequantized_model_does(bf16, monkeypatch):
+    """A third of the weight bytes, the same logits bit for bit: a prefill and batched decode steps."""
+    assert isinstance(bf16.model.layers[0].gate_up, BlockWeight) and bf16.model.lm_head is bf16.model.embed
+    monkeypatch.setenv("KVFENCE_KEEP_BLOCKS", "0")
+    dense = load_model("smollm2-135m", dtype=torch.bfloat16).model
+    assert isinstance(dense.layers[0].gate_up, torch.Tensor)
+    ids = bf16.tokenizer.encode(varied_text(120))[:150]
+    for model in (bf16.model, dense):
+        pool = KVPool(model.config, 40, 16, torch.bfloat16)
+        logits = [model.forward([SeqChunk(ids[:100], 0, list(range(0, 20))),
+                                 SeqChunk(ids[50:], 0, list(range(20, 40)))], pool, all_logits=True)]
+        for step in range(3):
+            logits.append(model.forward([SeqChunk([ids[step]], 100 + step, list(range(0, 20))),
+                                         SeqChunk([ids[step + 1]], 100 + step, list(range(20, 40)))], pool))
+        if model is bf16.model:
+            with_blocks = logits
+    assert all(torch.equal(a, b) for a, b in zip(with_blocks, logits, strict=True))

@@ -160,10 +160,88 @@ static inline void store_tile(const float *c, int rows, uint16_t *y, int64_t ldy
 AMX_GROUP(4)
 AMX_GROUP(1)
 
-/* Needs K % 32 == 0 and N % 16 == 0 (the caller checks); x rows may have any stride ldx. */
-void kvf_gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *y, int64_t ldy,
-                  int64_t M, int64_t N, int64_t K, int nthreads) {
+/* ---- GGUF weight blocks, expanded to bf16 on the fly ----------------------------------------------------------
+ *
+ * Rows of K weights in blocks of 32, each block's fields gathered by row (``blocks.py``). Q4_1 row: nb = K / 32
+ * fp16 scales d, nb fp16 minimums m, then nb x 16 bytes whose low nibbles are a block's weights 0-15 and high
+ * nibbles 16-31. Q8_0 row: nb fp16 scales, then nb x 32 int8. A weight becomes bf16(fp32(d q) + m) (Q8_0: bf16(d q)),
+ * rounded to nearest even: what gguf's dequantize then a cast to bf16 give, bit for bit (-ffp-contract=off keeps
+ * the multiply and the add rounding apart, as numpy's do). So a model that keeps its blocks computes exactly what
+ * the one dequantized at load computes, and reads 3.2x (Q4_1) or 1.9x (Q8_0) fewer weight bytes.
+ *
+ * A Q4_1 block has only 16 distinct values: they are computed once (one vector multiply and add) and the 32
+ * nibbles pick from them (vpermw), about 2x cheaper than converting every weight.
+ */
+enum { FMT_BF16 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
+static const int64_t BLOCK_BYTES[] = {0, 20, 34};
+
+static void halves_to_f32(const uint8_t *p, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(out + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p + 2 * i)));
+    }
+}
+
+/* One row of K weights -> K bf16 at out. */
+static void expand_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
+    const int64_t nb = K / 32;
+    float d[nb], m[nb];
+    halves_to_f32(row, nb, d);
+    if (fmt == FMT_Q4_1) {
+        halves_to_f32(row + 2 * nb, nb, m);
+        const uint8_t *qs = row + 4 * nb;
+        const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m128i nibble = _mm_set1_epi8(0x0f);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 values = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d[b]), iota), _mm512_set1_ps(m[b]));
+            const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+            const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
+            const __m512i idx = _mm512_cvtepu8_epi16(
+                _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), _mm_and_si128(q, nibble)));
+            _mm512_storeu_si512(out + 32 * b, _mm512_permutexvar_epi16(idx, lut));
+        }
+    } else {
+        const int8_t *qs = (const int8_t *)(row + 2 * nb);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 dv = _mm512_set1_ps(d[b]);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * b))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * b + 16))));
+            _mm512_storeu_si512(out + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(dv, hi), _mm512_mul_ps(dv, lo)));
+        }
+    }
+}
+
+/* ``rows`` consecutive rows from w -> bf16 rows of K at out. */
+static void expand_rows(const uint8_t *w, int fmt, int64_t rows, int64_t K, uint16_t *out) {
+    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    for (int64_t r = 0; r < rows; r++) expand_row(w + r * row_bytes, fmt, K, out + r * K);
+}
+
+/* Rows ``rows[0 .. n)`` of a block matrix -> bf16 (the embedding's gather). */
+void kvf_expand_rows(const uint8_t *w, int fmt, const int64_t *rows, int64_t n, int64_t K, uint16_t *out) {
+    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    for (int64_t i = 0; i < n; i++) expand_row(w + rows[i] * row_bytes, fmt, K, out + i * K);
+}
+
+/* This thread's buffer of at least n bf16 values, kept between calls (a fresh large one costs page faults). */
+static uint16_t *expansion_buffer(int64_t n) {
+    static __thread uint16_t *buf;
+    static __thread int64_t cap;
+    if (n > cap) {
+        free(buf);
+        buf = aligned_alloc(64, n * 2);
+        cap = n;
+    }
+    return buf;
+}
+
+/* w: bf16 rows of stride ldw (fmt FMT_BF16), or rows of K / 32 blocks. A thread takes groups of 64 (then 16)
+ * weight rows; block rows are first expanded into its own buffer, then every x row passes over the group. Needs
+ * K % 32 == 0 and N % 16 == 0 (the caller checks); x rows may have any stride ldx. */
+static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int64_t ldw, uint16_t *y, int64_t ldy,
+                     int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t mblocks = (M + 15) / 16, groups4 = N / 64, groups = groups4 + (N % 64) / 16;
+    const int64_t row_bytes = fmt == FMT_BF16 ? ldw * 2 : K / 32 * BLOCK_BYTES[fmt];
     uint32_t *xp = aligned_alloc(64, mblocks * K * 32);  /* per m block: [K / 2 pairs][16 rows] of bf16 pairs */
     memset(xp, 0, mblocks * K * 32);
     for (int64_t m = 0; m < M; m++) {
@@ -174,25 +252,44 @@ void kvf_gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw
 #pragma omp parallel num_threads(nthreads)
     {
         float c[4 * 256] __attribute__((aligned(64)));
+        uint16_t *expanded = fmt == FMT_BF16 ? NULL : expansion_buffer(64 * K);
         configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int nb = g < groups4 ? 4 : 1;
             const int64_t n0 = g < groups4 ? g * 64 : groups4 * 64 + (g - groups4) * 16;
+            const char *rows = (const char *)w + n0 * row_bytes;
+            const uint16_t *wg = (const uint16_t *)rows;
+            int64_t ld = ldw;
+            if (expanded) {
+                expand_rows((const uint8_t *)rows, fmt, 16 * nb, K, expanded);
+                wg = expanded, ld = K;
+            }
             for (int64_t mb = 0; mb < mblocks; mb++) {
                 const uint16_t *xb = (const uint16_t *)(xp + mb * K * 8);
                 /* the first pass over a group streams the next group's weights into cache, K / 32 parts */
-                const char *pf = (const char *)(w + (n0 + 16 * nb) * ldw);
-                const int64_t pf_lines = mb == 0 && g + 1 < groups && PREFETCH ? (64 * ldw * 2 / 64) / (K / 32) + 1 : 0;
-                if (nb == 4) amx_group_4(xb, w + n0 * ldw, ldw, K, c, pf, pf_lines);
-                else amx_group_1(xb, w + n0 * ldw, ldw, K, c, pf, pf_lines);
-                const int rows = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
-                for (int j = 0; j < nb; j++) store_tile(c + j * 256, rows, y + mb * 16 * ldy + n0 + 16 * j, ldy);
+                const char *pf = rows + 16 * nb * row_bytes;
+                const int64_t pf_lines = mb == 0 && g + 1 < groups && PREFETCH ? (64 * row_bytes / 64) / (K / 32) + 1 : 0;
+                if (nb == 4) amx_group_4(xb, wg, ld, K, c, pf, pf_lines);
+                else amx_group_1(xb, wg, ld, K, c, pf, pf_lines);
+                const int rows_m = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
+                for (int j = 0; j < nb; j++) store_tile(c + j * 256, rows_m, y + mb * 16 * ldy + n0 + 16 * j, ldy);
             }
         }
         _tile_release();
     }
     free(xp);
+}
+
+void kvf_gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *y, int64_t ldy,
+                  int64_t M, int64_t N, int64_t K, int nthreads) {
+    gemm_amx(x, ldx, w, FMT_BF16, ldw, y, ldy, M, N, K, nthreads);
+}
+
+/* The same product with w as N rows of K / 32 blocks of format fmt (FMT_Q4_1 or FMT_Q8_0). */
+void kvf_gemm_amx_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy,
+                         int64_t M, int64_t N, int64_t K, int nthreads) {
+    gemm_amx(x, ldx, w, fmt, K, y, ldy, M, N, K, nthreads);
 }
 
 /* ---- decode attention straight from the pool -----------------------------------------------------------------

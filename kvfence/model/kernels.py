@@ -21,11 +21,15 @@ from pathlib import Path
 
 import torch
 
+from kvfence.model.blocks import BlockWeight
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_gemm.c")
 _threads = 0  # threads of the C kernels; 0: torch's count
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mamx-tile", "-mamx-bf16",
+          "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+_FORMAT_IDS = {"Q4_1": 1, "Q8_0": 2}  # decode_gemm.c's FMT_*
 
 
 def set_threads(n: int) -> None:
@@ -51,7 +55,7 @@ def _cpu_has(*features: str) -> bool:
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("KVFENCE_DECODE_GEMM", "1") == "0" or not _SOURCE.exists():
         return None
-    if not _cpu_has("avx512f", "avx512bw", "avx512_bf16"):
+    if not _cpu_has("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"):
         return None
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
@@ -73,6 +77,10 @@ def _library() -> ctypes.CDLL | None:
     for fn in (so.kvf_gemm_bf16, so.kvf_gemm_amx):
         fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
         fn.restype = None
+    so.kvf_gemm_amx_blocks.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
+    so.kvf_gemm_amx_blocks.restype = None
+    so.kvf_expand_rows.argtypes = [ptr, ctypes.c_int, ptr, i64, i64, ptr]
+    so.kvf_expand_rows.restype = None
     so.kvf_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
                                         ctypes.c_int]
     so.kvf_decode_attention.restype = None
@@ -88,20 +96,45 @@ def available() -> bool:
     return _library() is not None
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, amx: bool | None = None) -> torch.Tensor:
-    """``x [M, K] @ w [N, K].T -> [M, N]`` in bfloat16 on CPU; rows of x may have any row stride."""
+def blocks_supported() -> bool:
+    """Whether ``gemm`` takes ``BlockWeight``s here (it needs AMX tiles)."""
+    lib = _library()
+    return lib is not None and lib.amx
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor | BlockWeight, amx: bool | None = None) -> torch.Tensor:
+    """``x [M, K] @ w [N, K].T -> [M, N]`` in bfloat16 on CPU; rows of x may have any row stride. ``w`` may be a
+    ``BlockWeight`` (AMX only): the same bits as its bf16 dequantization gives."""
     M, K = x.shape
     N = w.shape[0]
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise TypeError("decode gemm is bfloat16 only")
-    if x.stride(1) != 1 or not w.is_contiguous() or w.shape[1] != K:
-        raise ValueError(f"decode gemm: bad layout {tuple(x.shape)} x {tuple(w.shape)}")
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or w.shape[1] != K:
+        raise ValueError(f"decode gemm: bf16 x with unit column stride needed, got {x.dtype} {tuple(x.shape)} "
+                         f"x {tuple(w.shape)}")
     out = torch.empty(M, N, dtype=torch.bfloat16)
     lib = _library()
+    if isinstance(w, BlockWeight):
+        if not lib.amx or N % 16:
+            raise ValueError("block weights need AMX and N % 16 == 0")
+        lib.kvf_gemm_amx_blocks(x.data_ptr(), x.stride(0), w.data_ptr(), _FORMAT_IDS[w.fmt], out.data_ptr(),
+                                out.stride(0), M, N, K, _nthreads())
+        return out
+    if w.dtype != torch.bfloat16 or not w.is_contiguous():
+        raise ValueError("decode gemm: w must be contiguous bfloat16")
     fn = lib.kvf_gemm_amx if (lib.amx if amx is None else amx) and K % 32 == 0 and N % 16 == 0 else lib.kvf_gemm_bf16
     fn(
         x.data_ptr(), x.stride(0), w.data_ptr(), K, out.data_ptr(), out.stride(0), M, N, K, _nthreads()
     )
+    return out
+
+
+def expand_rows(w: BlockWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (int64) of w as bf16 ``[len(rows), K]``: the embedding's gather from a block weight."""
+    rows = rows.to(torch.int64).contiguous()
+    if not w.rows.is_contiguous():
+        raise ValueError("expand_rows: contiguous blocks needed")
+    out = torch.empty(len(rows), w.shape[1], dtype=torch.bfloat16)
+    _library().kvf_expand_rows(w.data_ptr(), _FORMAT_IDS[w.fmt], rows.data_ptr(), len(rows), w.shape[1],
+                               out.data_ptr())
     return out
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from kvfence.config import ModelConfig
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import invariant, kernels
+from kvfence.model.blocks import BlockWeight
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +49,17 @@ class SeqChunk:
 
 @dataclass
 class Layer:
-    """One decoder block's weights, fused: qkv ``[(H + 2 KV) D, hidden]``, gate_up ``[2 F, hidden]``."""
+    """One decoder block's weights, fused: qkv ``[(H + 2 KV) D, hidden]``, gate_up ``[2 F, hidden]``. A matmul
+    weight may be a ``BlockWeight`` (GGUF blocks the kernel expands)."""
 
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor
+    qkv: torch.Tensor | BlockWeight
     qkv_bias: torch.Tensor | None  # [(H + 2 KV) D] (qwen2)
     qk_norm: torch.Tensor | None  # [H + KV, D]: q_norm repeated H times, then k_norm KV times (qwen3)
-    o: torch.Tensor  # [hidden, H D]
+    o: torch.Tensor | BlockWeight  # [hidden, H D]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor
-    down: torch.Tensor  # [hidden, F]
+    gate_up: torch.Tensor | BlockWeight
+    down: torch.Tensor | BlockWeight  # [hidden, F]
 
 
 @dataclass
@@ -100,11 +103,12 @@ class Model:
     """Hand-written decoder; weights are fused and cast at load (``from_state_dict``)."""
 
     def __init__(
-        self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor, lm_head: torch.Tensor
+        self, config: ModelConfig, embed: torch.Tensor | BlockWeight, layers: list[Layer], norm: torch.Tensor,
+        lm_head: torch.Tensor | BlockWeight,
     ):
         self.config = config
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
-        self.dtype, self.device = embed.dtype, embed.device
+        self.dtype, self.device = norm.dtype, norm.device
         self.cos, self.sin = _rope_tables(config, self.dtype, self.device)  # [max_context, D] each
         self._blocks: dict[tuple[int, ...], invariant.RowBlocks] = {}
         self._head_blocks: invariant.RowBlocks | None = None
@@ -119,12 +123,24 @@ class Model:
 
     @classmethod
     def from_state_dict(
-        cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
+        cls, cfg: ModelConfig, sd: dict[str, torch.Tensor | BlockWeight], dtype: torch.dtype = torch.bfloat16,
+        device: str = "cpu",
     ) -> Model:
-        """Build from HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up."""
+        """Build from HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up.
 
-        def get(name: str) -> torch.Tensor:
-            return sd[name].to(device=device, dtype=dtype).contiguous()
+        GGUF block weights stay blocks where the C kernels expand them (bf16 on an AMX CPU, unless
+        ``KVFENCE_KEEP_BLOCKS=0``): the same bits as dequantized weights, a third of the bytes. Elsewhere they are
+        dequantized here."""
+        keep = (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.blocks_supported()
+                and os.environ.get("KVFENCE_KEEP_BLOCKS", "1") != "0")
+
+        def get(name: str) -> torch.Tensor | BlockWeight:
+            w = sd[name]
+            if isinstance(w, BlockWeight):
+                if keep and w.shape[0] % 16 == 0:
+                    return w
+                w = w.dequantize()
+            return w.to(device=device, dtype=dtype).contiguous()
 
         layers = [_layer(cfg, get, f"model.layers.{i}.", sd) for i in range(cfg.num_layers)]
         embed = get("model.embed_tokens.weight")
@@ -178,7 +194,7 @@ class Model:
             self.calibrate()
         with torch.inference_mode():
             b = self._batch(chunks, pool)
-            x = self.embed[b.tokens]  # [T, hidden], a new tensor: updated in place below
+            x = self._embed(b.tokens)  # [T, hidden], a new tensor: updated in place below
             if self.decode_attn:  # the C row kernels fuse each residual add with the norm after it
                 eps, layers = self.config.rms_norm_eps, self.layers
                 h = kernels.add_rms_norm(x, None, layers[0].attn_norm, eps)
@@ -259,6 +275,11 @@ class Model:
             enable_gqa=True,
         )  # [1, H, n, D]
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, BlockWeight):
+            return kernels.expand_rows(self.embed, tokens)
+        return self.embed[tokens]
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, F] each
@@ -412,11 +433,19 @@ def _layer(cfg: ModelConfig, get, p: str, sd: dict[str, torch.Tensor]) -> Layer:
         raise ValueError("o_proj bias is not supported")
     return Layer(
         attn_norm=get(p + "input_layernorm.weight"),
-        qkv=torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
+        qkv=_rows(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
         o=get(a + "o_proj.weight"),
         mlp_norm=get(p + "post_attention_layernorm.weight"),
-        gate_up=torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
+        gate_up=_rows(get(m + "gate_proj.weight"), get(m + "up_proj.weight")),
         down=get(m + "down_proj.weight"),
     )
+
+
+def _rows(*weights: torch.Tensor | BlockWeight) -> torch.Tensor | BlockWeight:
+    """The weights' rows one after another (a fused projection); blocks stay blocks if all are."""
+    if all(isinstance(w, BlockWeight) for w in weights):
+        return BlockWeight.cat(list(weights))
+    dtype = next(w.dtype for w in weights if not isinstance(w, BlockWeight))
+    return torch.cat([w.dequantize().to(dtype) if isinstance(w, BlockWeight) else w for w in weights])

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvfence.config import ModelConfig
+from kvfence.model.blocks import BLOCK_BYTES, BlockWeight
 from kvfence.model.describe import (
     SMOLLM2,
     SMOLLM2_GGUF,
@@ -113,12 +114,17 @@ def _load_gguf(path: Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], T
         raise ValueError(f"{path.name}: GGUF rope scaling is not supported")
     t0 = time.perf_counter()
     cfg = gguf_config(meta, {t.name for t in parsed.tensors})
-    state = {}
+    state: dict[str, torch.Tensor | BlockWeight] = {}
     for t in parsed.tensors:
-        arr = gguf.quants.dequantize(parsed.tensor_data(t), t.tensor_type).reshape(tuple(reversed(t.shape)))
-        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors come back as the read-only map
-        state[_hf_name(t.name)] = _unpermute_rope(t.name, w, cfg)
-    log.info("dequantized %d GGUF tensors in %.1fs", len(state), time.perf_counter() - t0)
+        shape = tuple(reversed(t.shape))
+        if t.tensor_type.name in BLOCK_BYTES and len(shape) == 2:  # kept as blocks; the model expands what it must
+            w = BlockWeight.from_gguf(t.tensor_type.name, parsed.tensor_data(t), shape)
+            state[_hf_name(t.name)] = w.reorder_rows(_unpermute_rope(t.name, torch.arange(shape[0]), cfg))
+        else:
+            arr = gguf.quants.dequantize(parsed.tensor_data(t), t.tensor_type).reshape(shape)
+            w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors come back read-only
+            state[_hf_name(t.name)] = _unpermute_rope(t.name, w, cfg)
+    log.info("read %d GGUF tensors in %.1fs", len(state), time.perf_counter() - t0)
     name = str(meta.get("general.name", path.stem))
     return name, cfg, state, Tokenizer.from_gguf_fields(meta)
 
@@ -131,7 +137,8 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _unpermute_rope(gguf_name: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Undo llama.cpp's ``w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)`` on Q and K rows."""
+    """Undo llama.cpp's ``w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)`` on Q and K rows (given
+    ``arange(rows)``, the rows' order)."""
     if gguf_name.endswith("attn_q.weight"):
         n_head = cfg.num_heads
     elif gguf_name.endswith("attn_k.weight"):
