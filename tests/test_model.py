@@ -485,3 +485,20 @@ def test_bf16_model_keeps_its_blocks_and_computes_what_the_dequantized_model_doe
         if model is bf16.model:
             with_blocks = logits
     assert all(torch.equal(a, b) for a, b in zip(with_blocks, logits, strict=True))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no decode kernel here (needs a C compiler and AVX512-BF16)")
+@pytest.mark.parametrize("head_dim", [64, 48])  # 48: the scalar path for heads that are not a multiple of 32
+def test_rope_write_is_bit_for_bit_the_torch_rotary_and_kv_write(head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    T, H, KV, D = 7, 9, 3, head_dim
+    qkv = (torch.randn(T, H + 2 * KV, D, generator=gen) * 4).bfloat16()
+    cos, sin = torch.randn(T, D, generator=gen).bfloat16(), torch.randn(T, D, generator=gen).bfloat16()
+    pool, slots = torch.zeros(64, 2, KV, D).bfloat16(), torch.randperm(64, generator=gen)[:T]
+    want, want_pool = qkv.clone(), pool.clone()
+    qk = want[:, : H + KV]
+    rot = qk.roll(D // 2, dims=-1).mul_(sin[:, None])  # the torch path of Model._attention
+    qk.mul_(cos[:, None]).add_(rot)
+    want_pool.index_copy_(0, slots, want[:, H:].view(T, 2, KV, D))
+    kernels.rope_write(qkv, cos, sin, pool, slots)
+    assert torch.equal(qkv, want) and torch.equal(pool, want_pool)

@@ -441,6 +441,10 @@ void kvf_add_rms_norm(uint16_t *x, int64_t ldx, const uint16_t *y, int64_t ldy, 
     }
 }
 
+static inline __m512 round_bf16(__m512 x) { /* to the nearest bf16 (even on ties), kept as fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
 /* Rotary embedding in place on the H + KV query and key heads of each row of qkv (HF rotate_half; each product and
  * the sum rounded to bf16, as torch does), then that row's K and V heads (the 2 KV after them, in the pool's
  * [2, KV, D] order) copied to pool slot slots[t]. cos/sin: row t at + t * D; sin has rotate_half's sign folded in. */
@@ -454,6 +458,14 @@ void kvf_rope_write(uint16_t *qkv, int64_t ldq, int64_t H, int64_t KV, int64_t D
         for (int64_t head = 0; head < H + KV; head++) {
             uint16_t *v = qkv + t * ldq + head * D;
             memcpy(tmp, v, D * sizeof(uint16_t));
+            if (D % 32 == 0) { /* 16 at a time: element e's partner e + D / 2 lies in the chunk half a head on */
+                for (int64_t e = 0; e < D; e += 16) {
+                    const __m512 a = round_bf16(_mm512_mul_ps(load_f32(tmp + e), load_f32(c + e)));
+                    const __m512 b = round_bf16(_mm512_mul_ps(load_f32(tmp + (e + D / 2) % D), load_f32(s + e)));
+                    _mm256_storeu_si256((__m256i *)(v + e), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, b)));
+                }
+                continue;
+            }
             for (int64_t e = 0; e < D; e++) {
                 const uint16_t a = f32_to_bf16(bf16_to_f32(tmp[e]) * bf16_to_f32(c[e]));
                 const uint16_t b = f32_to_bf16(bf16_to_f32(tmp[(e + D / 2) % D]) * bf16_to_f32(s[e]));
