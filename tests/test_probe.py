@@ -255,3 +255,35 @@ def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tena
     leak = next(f for f in report["findings"] if f["kind"] == "leak")
     assert leak["receiver"] == "key3" and set(leak["victims"]) <= {"key1", "key2"} and leak["victims"]
     assert "leak" in done.stdout and "key3" in done.stdout
+
+
+def test_a_server_that_answers_every_chat_with_503_is_inconclusive_not_a_usage_error():
+    """Calibration that fails on the server's side (503) is no reason to blame the user (exit 2): the run goes on,
+    notes it, and ends inconclusive (exit 3): nothing it needed came back."""
+    import asyncio
+
+    import httpx
+
+    from kvfence.tools.probe import Prober, Settings
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "max_model_len": 512}]})
+        if request.method == "POST":  # over-length (the probe's attackers) gets its 400, everything else 503
+            words = sum(len(m["content"].split()) for m in json.loads(request.content)["messages"])
+            if words > 400:
+                return httpx.Response(400, json={"error": {"message": "too long", "type": "invalid_request_error",
+                                                           "param": "messages", "code": "context_length_exceeded"}})
+            return httpx.Response(503, json={"error": {"message": "busy", "type": "server_error", "param": None,
+                                                       "code": "unavailable"}})
+        return httpx.Response(404, json={})
+
+    async def run() -> Report:
+        settings = Settings("http://probe.test", [Tenant("key1", "a"), Tenant("key2", "b")], None, None, 30, 60.0,
+                            2, 10.0, 8, None, 1)
+        async with httpx.AsyncClient(base_url=settings.url, transport=httpx.MockTransport(handler)) as client:
+            return await Prober(settings, client, open("/dev/null", "w")).run()
+
+    report = asyncio.run(run())
+    assert report.exit_code == EXIT_INCONCLUSIVE and not report.findings
+    assert any("calibration requests failed (503" in note for note in report.notes), report.notes

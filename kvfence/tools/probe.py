@@ -565,13 +565,19 @@ class Prober:
     async def calibrate_tokens(self) -> None:
         """Learn the attacker chat's tokens per filler word from the server's ``usage.prompt_tokens``; raises
         ``UsageError`` when the server reports none."""
-        measured = []
+        measured, failed = [], []
         for words in CALIBRATION_WORDS:
             ex = await self.chat(self.attacker, "calibrate tokens", "calibration", f"{words} words",
                                  attack_text(words), 1)
             if ex is not None and ex.prompt_tokens:
                 measured.append((words, ex.prompt_tokens))
+            elif ex is not None and ex.status != 200:
+                failed.append(str(ex.status if ex.status is not None else ex.error))
         if len(measured) < 2:
+            if failed:  # a failing server, not one without usage: the run goes on and says what it could not do
+                self.notes.append(f"calibration requests failed ({', '.join(failed)}): attacker prompt sizes are "
+                                  "estimates")
+                return
             if self.budget_left():
                 raise UsageError("the server returned no usage.prompt_tokens: cannot size prompts")
             return  # the bounds ended the run: keep the estimate
