@@ -502,3 +502,36 @@ def test_rope_write_is_bit_for_bit_the_torch_rotary_and_kv_write(head_dim):
     want_pool.index_copy_(0, slots, want[:, H:].view(T, 2, KV, D))
     kernels.rope_write(qkv, cos, sin, pool, slots)
     assert torch.equal(qkv, want) and torch.equal(pool, want_pool)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no decode kernel here (needs a C compiler and AVX512-BF16)")
+def test_a_forward_gives_the_same_bits_on_any_thread_count(bf16):
+    """A worker alone on the host computes on every core (C kernels and torch's prefill attention): a prefill chunk
+    and a decode step give the same logits on 1 and 2 threads."""
+    ids = bf16.tokenizer.encode(varied_text(200, seed=4))[:260]
+    results, before = [], torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            kernels.set_threads(n)
+            pool = KVPool(bf16.config, 20, 16, torch.bfloat16)
+            pages = list(range(20))
+            prompt = bf16.model.forward([SeqChunk(ids[:250], 0, pages)], pool, all_logits=True)
+            step = bf16.model.forward([SeqChunk(ids[250:251], 250, pages)], pool)
+            results.append((prompt, step))
+    finally:
+        torch.set_num_threads(before)
+        kernels.set_threads(0)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no decode kernel here (needs a C compiler and AVX512-BF16)")
+def test_silu_mul_rounds_like_the_torch_ops_and_treats_rows_alone():
+    gen = torch.Generator().manual_seed(11)
+    gate_up = (torch.randn(70, 2 * 1536, generator=gen) * 3).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    want, got = torch.nn.functional.silu(gate).mul_(up), kernels.silu_mul(gate_up)
+    differ = got != want
+    assert differ.float().mean() <= 1e-4, int(differ.sum())  # its exp differs from torch's in the last fp32 bits
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()  # then by one bf16 step at most
+    assert torch.equal(torch.cat([kernels.silu_mul(gate_up[i : i + 1]) for i in range(70)]), got)

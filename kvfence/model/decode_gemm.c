@@ -475,3 +475,28 @@ void kvf_rope_write(uint16_t *qkv, int64_t ldq, int64_t H, int64_t KV, int64_t D
         memcpy(kv + slots[t] * slot_stride, qkv + t * ldq + H * D, 2 * KV * D * sizeof(uint16_t));
     }
 }
+
+/* out[t] = bf16(bf16(silu(g)) * u) for g, u the two halves of row t of gate_up ([T, 2 F], gate first), rounding
+ * as torch's bf16 ``silu(gate).mul_(up)`` does; its exp differs from ``exp_ps`` in the last bits of fp32, which
+ * the bf16 rounding almost always hides (2 of 313,344 values differed, both below 1e-35). Row by row. */
+void kvf_silu_mul(const uint16_t *gate_up, int64_t ldg, uint16_t *out, int64_t ldo, int64_t T, int64_t F,
+                  int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gate_up + t * ldg, *u = g + F;
+        uint16_t *o = out + t * ldo;
+        for (int64_t j = 0; j < F; j += 16) {
+            const __mmask16 mask = F - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - j)) - 1u);
+            const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, g + j)), 16));
+            const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, u + j)), 16));
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));  /* e^-|g| */
+            const __m512 one = _mm512_set1_ps(1.0f);
+            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
+            const __m512 silu = round_bf16(_mm512_mul_ps(gv, sig));
+            _mm256_mask_storeu_epi16(o + j, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, uv)));
+        }
+    }
+}

@@ -88,6 +88,8 @@ def _library() -> ctypes.CDLL | None:
     so.kvf_add_rms_norm.restype = None
     so.kvf_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
     so.kvf_rope_write.restype = None
+    so.kvf_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
+    so.kvf_silu_mul.restype = None
     so.amx = _cpu_has("amx_bf16", "amx_tile") and so.kvf_amx_init() == 1
     return so
 
@@ -200,3 +202,15 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torc
         qkv.data_ptr(), qkv.stride(0), heads - 2 * KV, KV, D, cos.data_ptr(), sin.data_ptr(), T, kv.data_ptr(),
         kv.stride(0), slots.data_ptr(), _nthreads(),
     )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for gate_up ``[T, 2 F]`` (gate first) -> ``[T, F]``; bfloat16, row by row, rounded as
+    torch rounds it (silu to bf16, then the product)."""
+    T, F2 = gate_up.shape
+    if gate_up.dtype != torch.bfloat16 or gate_up.stride(1) != 1 or F2 % 2:
+        raise ValueError("silu_mul: bfloat16 [T, 2 F] with unit column stride needed")
+    out = torch.empty(T, F2 // 2, dtype=torch.bfloat16)
+    _library().kvf_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), T, F2 // 2,
+                            _nthreads())
+    return out

@@ -282,8 +282,11 @@ class Model:
         return self.embed[tokens]
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, F] each
-        return self._linear(F.silu(gate).mul_(up), layer.down)  # [T, hidden]
+        gate_up = self._linear(x, layer.gate_up)  # [T, 2 F]
+        if self.decode_attn:  # the C row kernels: one pass, rounded as the torch ops below round
+            return self._linear(kernels.silu_mul(gate_up), layer.down)  # [T, hidden]
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
+        return self._linear(F.silu(gate).mul_(up), layer.down)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """HF LlamaRMSNorm: normalize in float32, round to the model dtype, then scale (same ops, bit for bit)."""

@@ -45,6 +45,7 @@ class WorkerBase:
         self.faults = Faults.from_env()
         if settings.threads:
             torch.set_num_threads(settings.threads)
+        self.base_threads = torch.get_num_threads()
         self.dtype = getattr(torch, settings.dtype)
         self.loaded = load_model(settings.model, dtype=self.dtype, device=settings.device)
         self.channel = Channel(settings.bind, settings.advertise, self.faults)
@@ -67,10 +68,16 @@ class WorkerBase:
                             max_batch=s.max_batch, chunk_size=s.chunk_size)
 
     def kernel_threads(self, other_role_idle: bool) -> None:
-        """With ``solo_threads``, the C kernels run on that many threads while the other role idles, else on the
-        worker's own count. Their results are the same bits on any count, so this only moves speed."""
-        if self.settings.solo_threads:
-            kernels.set_threads(self.settings.solo_threads if other_role_idle else 0)
+        """With ``solo_threads``, the worker computes on that many threads while the other role idles, else on its
+        own count: the C kernels always, torch's ops (prefill attention, sampling) where the C kernels carry the
+        model (else torch's matmuls, calibrated per thread count, would recalibrate). Both give the same bits on
+        any count (tested), so this only moves speed."""
+        if not self.settings.solo_threads:
+            return
+        n = self.settings.solo_threads if other_role_idle else self.base_threads
+        kernels.set_threads(n)
+        if self.loaded.model.c_gemm and torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
     # -- what each role provides ------------------------------------------------------
 

@@ -25,6 +25,6 @@ class WorkerSettings:
     advertise: str | None = None
     emulate_incident: bool = False
     threads: int = 0  # CPU threads (0: torch's default)
-    solo_threads: int = 0  # kernel threads when the other role idles (decode: no prefill pending; prefill: idle_pair)
+    solo_threads: int = 0  # threads when the other role idles (decode: no prefill pending; prefill: idle_pair)
     log_level: str = "INFO"
     handoff_timeout: float = 30.0  # each handoff step (decode: pages, then Done; prefill: Dest) may take this long
