@@ -1,8 +1,9 @@
 """The C row kernels (``decode_gemm.c``): built once per machine with the system C compiler, called via ctypes.
 
 ``gemm(x, w)`` computes ``x @ w.T`` in bfloat16 with every row independent of the others by construction (see the
-C file), so it needs no calibration; the model runs every matmul row through it, prefill and decode. Decode
-attention, add + RMSNorm and rotary + K/V write are row- or sequence-wise the same way. They are optional:
+C file), so it needs no calibration; the model runs every matmul row through it, prefill and decode, with bf16
+weights or GGUF blocks expanded on the fly (``BlockWeight``). Decode attention, add + RMSNorm, rotary + K/V write
+and the MLP's silu(gate) * up are row- or sequence-wise the same way. They are optional:
 ``available()`` is False without a C compiler, on a CPU without AVX512-BF16, or with ``KVFENCE_DECODE_GEMM=0``; the
 model then uses ``invariant.matmul`` for every row. Either way a process uses one of the two throughout.
 """

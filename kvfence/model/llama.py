@@ -14,10 +14,11 @@ Nothing a row computes depends on its neighbours or its position in the batch, s
 chunks (decode groups first) and restores the caller's order in the logits.
 
 Fast path (bf16 on CPU, when ``kernels.py`` builds its C library): every matmul row (prefill and decode) runs on
-AMX tiles, decode attention reads K/V straight from the pool, and residual add + RMSNorm and rotary + K/V write are
-one call each. Each of these computes a row (or a sequence and head) with the same instructions whatever else is in
-the call or how many threads run it, so they are batch-invariant by construction and need no calibration; prefill
-attention stays one SDPA call per chunk. See docs/performance.md.
+AMX tiles (GGUF blocks expanded to bf16 inside the kernel), decode attention reads K/V straight from the pool, and
+residual add + RMSNorm, rotary + K/V write and silu(gate) * up are one call each. Each of these computes a row (or
+a sequence and head) with the same instructions whatever else is in the call or how many threads run it, so they
+are batch-invariant by construction and need no calibration; prefill attention stays one SDPA call per chunk. See
+docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Load a model: the bundled SmolLM2 GGUF, any llama-arch GGUF, or an HF directory (Llama/Qwen2/Qwen3).
 
-Every source ends as a state dict with HF names and HF layouts (GGUF Q/K rows un-permuted), a ``ModelConfig``
-and a ``Tokenizer``; ``Model.from_state_dict`` then fuses and casts the weights. Reading metadata alone
+Every source ends as a state dict with HF names and HF layouts (GGUF Q/K rows un-permuted; GGUF Q4_1/Q8_0
+matrices as ``BlockWeight``s), a ``ModelConfig`` and a ``Tokenizer``; ``Model.from_state_dict`` then fuses and
+casts the weights, keeping or dequantizing the blocks. Reading metadata alone
 (``describe_model``, what a router needs) lives in the torch-free ``kvfence.model.describe``; its public names
 are re-exported here.
 """
@@ -100,7 +101,7 @@ def release_free_memory() -> None:
 # -- GGUF -------------------------------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def _load_gguf(path: Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor | BlockWeight], Tokenizer]:
     import gguf
 
     meta, parsed = read_gguf_metadata(path)
