@@ -535,3 +535,25 @@ def test_silu_mul_rounds_like_the_torch_ops_and_treats_rows_alone():
     assert differ.float().mean() <= 1e-4, int(differ.sum())  # its exp differs from torch's in the last fp32 bits
     assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()  # then by one bf16 step at most
     assert torch.equal(torch.cat([kernels.silu_mul(gate_up[i : i + 1]) for i in range(70)]), got)
+
+
+@needs_blocks
+def test_block_weights_of_mixed_formats_fuse_as_dense_and_gathers_stay_in_bounds():
+    """A GGUF may store q/k in Q4_1 and v in Q8_0: the fused projection is then dequantized, not refused; and the
+    embedding's C gather refuses row ids outside the table instead of reading past it."""
+    from kvfence.model.llama import _rows
+
+    gen = torch.Generator().manual_seed(2)
+    raw = torch.randint(0, 256, (64 * 18 * 34,), dtype=torch.uint8, generator=gen).numpy()
+    raw.reshape(64, 18, 34)[:, :, 1] = 0x20  # small fp16 scales, no NaN or inf
+    raw4 = raw[: 64 * 18 * 20].copy()
+    raw4.reshape(64, 18, 20)[:, :, [1, 3]] = 0x20  # its fp16 scale and minimum too
+    q8, q4 = BlockWeight.from_gguf("Q8_0", raw, (64, 576)), BlockWeight.from_gguf("Q4_1", raw4, (64, 576))
+    fused = _rows(torch.bfloat16, q4, q8)
+    assert isinstance(fused, torch.Tensor) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, torch.cat([q4.dequantize(), q8.dequantize()]).bfloat16())
+    assert isinstance(_rows(torch.bfloat16, q4, q4), BlockWeight)
+    assert torch.equal(kernels.expand_rows(q8, torch.tensor([63, 0])), q8.dequantize()[[63, 0]].bfloat16())
+    for bad in ([64], [-1]):
+        with pytest.raises(IndexError):
+            kernels.expand_rows(q8, torch.tensor(bad))

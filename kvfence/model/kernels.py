@@ -135,6 +135,8 @@ def expand_rows(w: BlockWeight, rows: torch.Tensor) -> torch.Tensor:
     rows = rows.to(torch.int64).contiguous()
     if not w.rows.is_contiguous():
         raise ValueError("expand_rows: contiguous blocks needed")
+    if len(rows) and not (0 <= int(rows.min()) and int(rows.max()) < w.shape[0]):  # C reads what it is told
+        raise IndexError(f"expand_rows: row ids must lie in [0, {w.shape[0]})")
     out = torch.empty(len(rows), w.shape[1], dtype=torch.bfloat16)
     _library().kvf_expand_rows(w.data_ptr(), _FORMAT_IDS[w.fmt], rows.data_ptr(), len(rows), w.shape[1],
                                out.data_ptr())

@@ -435,21 +435,22 @@ def _layer(cfg: ModelConfig, get, p: str, sd: dict[str, torch.Tensor]) -> Layer:
         )
     if a + "o_proj.bias" in sd:
         raise ValueError("o_proj bias is not supported")
+    attn_norm = get(p + "input_layernorm.weight")
     return Layer(
-        attn_norm=get(p + "input_layernorm.weight"),
-        qkv=_rows(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
+        attn_norm=attn_norm,
+        qkv=_rows(attn_norm.dtype, get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
         o=get(a + "o_proj.weight"),
         mlp_norm=get(p + "post_attention_layernorm.weight"),
-        gate_up=_rows(get(m + "gate_proj.weight"), get(m + "up_proj.weight")),
+        gate_up=_rows(attn_norm.dtype, get(m + "gate_proj.weight"), get(m + "up_proj.weight")),
         down=get(m + "down_proj.weight"),
     )
 
 
-def _rows(*weights: torch.Tensor | BlockWeight) -> torch.Tensor | BlockWeight:
-    """The weights' rows one after another (a fused projection); blocks stay blocks if all are."""
-    if all(isinstance(w, BlockWeight) for w in weights):
+def _rows(dtype: torch.dtype, *weights: torch.Tensor | BlockWeight) -> torch.Tensor | BlockWeight:
+    """The weights' rows one after another (a fused projection): blocks if all are blocks of one format, else
+    ``dtype`` tensors (a GGUF may mix formats, e.g. Q4_1 q/k with a Q8_0 or Q6_K v)."""
+    if all(isinstance(w, BlockWeight) for w in weights) and len({w.fmt for w in weights}) == 1:
         return BlockWeight.cat(list(weights))
-    dtype = next(w.dtype for w in weights if not isinstance(w, BlockWeight))
     return torch.cat([w.dequantize().to(dtype) if isinstance(w, BlockWeight) else w for w in weights])
