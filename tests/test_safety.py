@@ -109,15 +109,19 @@ def test_l2_off_the_decode_legs_status_wins(monkeypatch, model):
 
 @pytest.mark.parametrize("layer", ["coverage", "tags", "checksum"])
 def test_each_landing_check_alone_stops_the_placeholder(monkeypatch, model, layer):
-    """L4, L3 and L5 each alone (the other two, L1 and L2 off): a 500 naming the layer, no token, pages
-    quarantined, never reused."""
+    """L4, L3 and L5 each alone (the other two, L1 and L2 off): a 500 naming the layer, no token; the failed
+    landing's pages are held until prefill acknowledges decode's Abort, then come back, and the next request is
+    served from them."""
     others = {"coverage", "tags", "checksum"} - {layer}
     pair = incident_pair(monkeypatch, model, ",".join(["preflight", "admission", "propagation", *others]))
     result = victim_then_attacker(pair)
     assert result.status == 500 and result.error.layer == layer and not result.tokens
-    if layer != "coverage":  # landed and failed on decode: quarantined (coverage refuses at prefill, before writing)
-        assert pair.decode.engine.pages.num_quarantined > 0
     assert_clean(pair)
+    pages = pair.decode.engine.pages
+    assert pages.num_quarantined == 0 and pages.num_free == pages.num_pages and not pair.decode.core.held
+    again = pair.submit(VICTIM, max_tokens=8)
+    pair.run([again])
+    assert pair.results[again].status == 200
 
 
 # -- late writes: L6 prevents them, L3 catches them ------------------------------------------------------
