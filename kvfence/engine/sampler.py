@@ -30,15 +30,38 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return tokens
 
 
+NUCLEUS_FIRST_TRY = 256  # most likely tokens sorted first for top_p; all of them only if these fall short
+
+
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     row = row / p.temperature  # [vocab]
     if p.top_k > 0:
         kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
-        row = row.scatter(0, order[drop], float("-inf"))
     probs = row.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    if p.top_p < 1.0:
+        probs = _nucleus(probs, p.top_p)
+    return _draw(probs, gen)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` with every token outside the nucleus zeroed: the smallest set of most likely tokens whose mass
+    reaches ``top_p``. Sorts the 256 most likely first (a full sort of 49k costs ~7 ms), all only if they fall
+    short."""
+    top = torch.topk(probs, min(NUCLEUS_FIRST_TRY, probs.numel()))  # sorted, most likely first
+    cum = top.values.cumsum(0)
+    if cum[-1] < top_p and len(cum) < probs.numel():
+        top = torch.sort(probs, descending=True)
+        cum = top.values.cumsum(0)
+    keep = cum - top.values < top_p  # the mass before a token has not reached top_p yet
+    out = torch.zeros_like(probs)
+    out[top.indices[keep]] = top.values[keep]
+    return out
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One token with probability proportional to ``probs`` (need not sum to 1): the inverse of the cumulative sum at
+    a uniform draw from ``gen``. ``torch.multinomial`` does the same in ~2.4 ms over 49k tokens; this ~0.1 ms."""
+    cdf = probs.cumsum(0)
+    u = torch.rand(1, generator=gen) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp_max(len(cdf) - 1).item())
