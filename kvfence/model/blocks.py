@@ -48,9 +48,6 @@ class BlockWeight:
     def data_ptr(self) -> int:
         return self.rows.data_ptr()
 
-    def reorder_rows(self, order: torch.Tensor) -> BlockWeight:
-        return BlockWeight(self.fmt, self.rows[order].contiguous())
-
     @staticmethod
     def cat(weights: list[BlockWeight]) -> BlockWeight:
         """Rows of each weight, one after another (fusing q/k/v or gate/up); all of one format."""

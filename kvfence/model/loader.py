@@ -120,7 +120,7 @@ def _load_gguf(path: Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor | B
         shape = tuple(reversed(t.shape))
         if t.tensor_type.name in BLOCK_BYTES and len(shape) == 2:  # kept as blocks; the model expands what it must
             w = BlockWeight.from_gguf(t.tensor_type.name, parsed.tensor_data(t), shape)
-            state[_hf_name(t.name)] = w.reorder_rows(_unpermute_rope(t.name, torch.arange(shape[0]), cfg))
+            state[_hf_name(t.name)] = BlockWeight(w.fmt, _unpermute_rope(t.name, w.rows, cfg))  # rows move whole
         else:
             arr = gguf.quants.dequantize(parsed.tensor_data(t), t.tensor_type).reshape(shape)
             w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors come back read-only
@@ -138,8 +138,8 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _unpermute_rope(gguf_name: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Undo llama.cpp's ``w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)`` on Q and K rows (given
-    ``arange(rows)``, the rows' order)."""
+    """Undo llama.cpp's ``w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)`` on Q and K rows (of any
+    row layout: a block weight's rows too)."""
     if gguf_name.endswith("attn_q.weight"):
         n_head = cfg.num_heads
     elif gguf_name.endswith("attn_k.weight"):

@@ -67,7 +67,7 @@ class WorkerBase:
         return EngineConfig(max_context=s.max_context, kv_pool_tokens=pool_tokens, page_size=s.page_size,
                             max_batch=s.max_batch, chunk_size=s.chunk_size)
 
-    def kernel_threads(self, other_role_idle: bool) -> None:
+    def set_threads(self, other_role_idle: bool) -> None:
         """With ``solo_threads``, the worker computes on that many threads while the other role idles, else on its
         own count: the C kernels always, torch's ops (prefill attention, sampling) where the C kernels carry the
         model (else torch's matmuls, calibrated per thread count, would recalibrate). Both give the same bits on

@@ -65,7 +65,7 @@ class DecodeWorker(WorkerBase):
         return self.core.handle(sender, msg, now)
 
     def step(self, now: float) -> list[Action]:
-        self.kernel_threads(other_role_idle=not self.core.prefill_pending())
+        self.set_threads(other_role_idle=not self.core.prefill_pending())
         actions: list[Action] = []
         for out in self._engine.step():
             actions += self.core.engine_output(self.to_message(out), now)

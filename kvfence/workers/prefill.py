@@ -186,7 +186,7 @@ class PrefillWorker(WorkerBase):
         return self.core.handle(sender, msg, now)
 
     def step(self, now: float) -> list[Action]:
-        self.kernel_threads(other_role_idle=self.core.idle_pair())
+        self.set_threads(other_role_idle=self.core.idle_pair())
         self.runner.step()
         return self.collect()
 
