@@ -89,22 +89,25 @@ def test_load_is_spread_and_streams_arrive_in_order(four_workers):
 
 def test_killed_decode_worker_fails_its_requests_fast_and_comes_back(four_workers):
     victim, info = next(iter(workers(four_workers, "decode").items()))
+    started: set[int] = set()
+
     async def long_stream(client, i: int):
         """Returns (outcome, when it ended)."""
         try:
-            out = await client.completions.create(model="llama", prompt=f"story {i}", max_tokens=400, stream=True,
+            out = await client.completions.create(model="llama", prompt=f"story {i}", max_tokens=1500, stream=True,
                                                   extra_body={"ignore_eos": True})
             async for _ in out:
-                pass
+                started.add(i)
             return "finished", time.monotonic()
         except openai.APIError as exc:
             return exc, time.monotonic()
 
     async def run():
-        async with four_workers.async_client(timeout=30) as client:
+        async with four_workers.async_client(timeout=60) as client:
             tasks = [asyncio.create_task(long_stream(client, i)) for i in range(6)]
-            await asyncio.sleep(3)  # all streaming now
-            assert not any(t.done() for t in tasks)
+            while len(started) < len(tasks):  # kill as soon as every stream has its first token
+                assert not any(t.done() for t in tasks), "a stream ended before all had started"
+                await asyncio.sleep(0.02)
             os.kill(info["pid"], signal.SIGKILL)
             return time.monotonic(), await asyncio.gather(*tasks)
 
