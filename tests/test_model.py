@@ -13,7 +13,7 @@ import torch
 from kvfence.config import ModelConfig
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import invariant, kernels
-from kvfence.model.blocks import BlockWeight
+from kvfence.model.blocks import BLOCK_BYTES, BlockWeight
 from kvfence.model.gguf_file import read_gguf
 from kvfence.model.llama import Model, SeqChunk
 from kvfence.model.loader import _unpermute_rope, load_model, smollm2_gguf_path
@@ -535,6 +535,25 @@ def test_silu_mul_rounds_like_the_torch_ops_and_treats_rows_alone():
     assert differ.float().mean() <= 1e-4, int(differ.sum())  # its exp differs from torch's in the last fp32 bits
     assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()  # then by one bf16 step at most
     assert torch.equal(torch.cat([kernels.silu_mul(gate_up[i : i + 1]) for i in range(70)]), got)
+
+
+@needs_blocks
+def test_block_weights_of_any_shape_expand_exactly():
+    """Shapes the SmolLM2 GGUF lacks: an odd number of Q4_1 blocks per row (the last one unpaired) and a weight
+    whose rows leave a group of 16 after the groups of 64, for x of a few rows, of one and of several tiles."""
+    gguf = pytest.importorskip("gguf")
+    gen = torch.Generator().manual_seed(9)
+    for fmt, (n, k) in (("Q4_1", (80, 96)), ("Q4_1", (16, 32)), ("Q8_0", (80, 96))):
+        raw = torch.randint(0, 256, (n * k // 32 * BLOCK_BYTES[fmt],), dtype=torch.uint8, generator=gen).numpy()
+        raw.reshape(n, k // 32, -1)[:, :, [1, 3] if fmt == "Q4_1" else [1]] = 0x20  # small fp16 scale (and min)
+        w = BlockWeight.from_gguf(fmt, raw, (n, k))
+        ref = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, fmt)).reshape(n, k)
+        assert torch.equal(w.dequantize(), torch.from_numpy(ref)), (fmt, n, k)
+        dense = w.dequantize().bfloat16()
+        x = torch.randn(40, k, generator=gen).bfloat16()
+        for m in (1, 5, 17, 40):
+            assert torch.equal(kernels.gemm(x[:m], w), kernels.gemm(x[:m], dense)), (fmt, n, k, m)
+            assert torch.equal(kernels.gemm(x[:m], dense), kernels.gemm(x, dense)[:m]), (fmt, n, k, m)
 
 
 @needs_blocks

@@ -2,7 +2,10 @@
 
 A block holds 32 consecutive weights of a row: an fp16 scale d, for Q4_1 an fp16 minimum m and 32 4-bit values
 (low nibbles: weights 0-15, high: 16-31), for Q8_0 32 int8. A row keeps its blocks' fields gathered: every d,
-then every m, then every block's values, so the kernel converts a row's scales 16 at a time.
+then every m, then every block's values, so the kernel converts a row's scales 16 at a time. Q4_1 values go in
+pairs of blocks a, b: 32 bytes whose low nibbles are a's weights 0-31 and high nibbles b's, so that widening
+the bytes to 16 bits and one mask or one shift give either block's 32 indices in order (an odd last block keeps
+the GGUF's order).
 
 ``kernels.gemm`` expands each block to exactly the bf16 values that ``dequantize()`` followed by a cast to bf16
 gives (and that the ``gguf`` package's own dequantize gives), so a model that keeps its blocks computes the same
@@ -33,8 +36,8 @@ class BlockWeight:
         """``raw``: the tensor's bytes as the GGUF stores them (block after block); ``shape``: ``(N, K)``."""
         n, k = shape
         blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, BLOCK_BYTES[fmt])
-        fields = (blocks[..., :2], blocks[..., 2:4], blocks[..., 4:]) if fmt == "Q4_1" else (blocks[..., :2],
-                                                                                            blocks[..., 2:])
+        fields = (blocks[..., :2], blocks[..., 2:4], _pair_nibbles(blocks[..., 4:])) if fmt == "Q4_1" else (
+            blocks[..., :2], blocks[..., 2:])
         return cls(fmt, torch.from_numpy(np.concatenate([f.reshape(n, -1) for f in fields], axis=1)))
 
     @property
@@ -62,8 +65,29 @@ class BlockWeight:
         d = self.rows[:, : 2 * nb].contiguous().view(torch.float16).float().unsqueeze(-1)  # [N, nb, 1]
         if self.fmt == "Q4_1":
             m = self.rows[:, 2 * nb : 4 * nb].contiguous().view(torch.float16).float().unsqueeze(-1)
-            qs = self.rows[:, 4 * nb :].reshape(n, nb, 16)
-            w = d * torch.cat([qs & 0x0F, qs >> 4], dim=-1).float() + m  # [N, nb, 32]
+            w = d * _unpair_nibbles(self.rows[:, 4 * nb :], nb).float() + m  # [N, nb, 32]
         else:
             w = d * self.rows[:, 2 * nb :].contiguous().view(torch.int8).reshape(n, nb, BLOCK).float()
         return w.reshape(n, k)
+
+
+def _pair_nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGUF Q4_1 values ``[N, nb, 16]`` -> the kernel's order: per pair of blocks a, b, byte j (0-31) holds a's
+    weight j in its low nibble and b's weight j in its high nibble."""
+    n, nb, _ = qs.shape
+    w = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, nb, 32]: each block's 4-bit weights in order
+    out = qs.reshape(n, nb * 16).copy()
+    pairs = nb // 2 * 2
+    out[:, : pairs * 16] = (w[:, 0:pairs:2] | (w[:, 1:pairs:2] << 4)).reshape(n, pairs * 16)
+    return out
+
+
+def _unpair_nibbles(qs: torch.Tensor, nb: int) -> torch.Tensor:
+    """The kernel's Q4_1 values ``[N, nb * 16]`` -> each block's 32 4-bit weights ``[N, nb, 32]``."""
+    n, pairs = qs.shape[0], nb // 2 * 2
+    paired = qs[:, : pairs * 16].reshape(n, pairs // 2, 32)
+    w = torch.stack([paired & 0x0F, paired >> 4], dim=2).reshape(n, pairs, 32)
+    if pairs < nb:  # an odd last block, in the GGUF's order
+        last = qs[:, pairs * 16 :].reshape(n, 1, 16)
+        w = torch.cat([w, torch.cat([last & 0x0F, last >> 4], dim=-1)], dim=1)
+    return w

@@ -124,16 +124,46 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* C tile (16 weight rows x 16 x rows, fp32) -> y[m][n0 .. n0 + 16] for the ``rows`` real x rows. */
-static inline void store_tile(const float *c, int rows, uint16_t *y, int64_t ldy) {
-    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16));
-    for (int m = 0; m < rows; m++) {
-        __m512 v = _mm512_i32gather_ps(col, c + m, 4);
-        _mm256_storeu_si256((__m256i *)(y + m * ldy), (__m256i)_mm512_cvtneps_pbh(v));
+/* r[i] lane j -> r[j] lane i, for 16 x 16 32-bit values. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + c], 128-bit lane l: rows i .. i + 3 of column 4 l + c */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i even0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), even1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512i odd0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd), odd1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+        r[c] = _mm512_shuffle_i32x4(even0, even1, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(even0, even1, 0xdd);
+        r[4 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0xdd);
     }
 }
 
+/* C tile (16 weight rows x 16 x rows, fp32) -> y[m][n0 .. n0 + 16] for the ``rows`` real x rows. */
+static inline void store_tile(const float *c, int rows, uint16_t *y, int64_t ldy) {
+    if (rows < 8) { /* a gather per row costs less than a transpose */
+        const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(16));
+        for (int m = 0; m < rows; m++)
+            _mm256_storeu_si256((__m256i *)(y + m * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_i32gather_ps(col, c + m, 4)));
+        return;
+    }
+    __m512i r[16];
+    for (int n = 0; n < 16; n++) r[n] = _mm512_load_si512(c + 16 * n);
+    transpose16(r);
+    for (int m = 0; m < rows; m++)
+        _mm256_storeu_si256((__m256i *)(y + m * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[m])));
+}
+
+/* One x block (16 rows) against 4 (or 1) weight tiles, C tiles 0-3. */
 #define AMX_GROUP(NB)                                                                                            \
     static inline void amx_group_##NB(const uint16_t *xp, const uint16_t *w, int64_t ldw, int64_t K, float *c,   \
                                       const char *pf, int64_t pf_lines) {                                        \
@@ -160,6 +190,26 @@ static inline void store_tile(const float *c, int rows, uint16_t *y, int64_t ldy
 AMX_GROUP(4)
 AMX_GROUP(1)
 
+/* Two x blocks against two weight tiles (2 x 2 C tiles: c holds w0 x0, w0 x1, w1 x0, w1 x1): four loads for four
+ * products, where one x block against four weight tiles takes five. Each C tile sees the same products in the
+ * same order as in amx_group_4. */
+static inline void amx_pair(const uint16_t *xp0, const uint16_t *xp1, const uint16_t *w, int64_t ldw, int64_t K,
+                            float *c, const char *pf, int64_t pf_lines) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+        for (int64_t l = 0; l < pf_lines; l++) _mm_prefetch(pf + (k / 32 * pf_lines + l) * 64, _MM_HINT_T0);
+        _tile_loadd(4, xp0 + k * 16, 64);
+        _tile_loadd(6, w + k, ldw * 2);
+        _tile_loadd(5, xp1 + k * 16, 64);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_loadd(7, w + 16 * ldw + k, ldw * 2);
+        _tile_dpbf16ps(1, 6, 5);
+        _tile_dpbf16ps(2, 7, 4);
+        _tile_dpbf16ps(3, 7, 5);
+    }
+    _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+}
+
 /* ---- GGUF weight blocks, expanded to bf16 on the fly ----------------------------------------------------------
  *
  * Rows of K weights in blocks of 32, each block's fields gathered by row (``blocks.py``). Q4_1 row: nb = K / 32
@@ -170,7 +220,8 @@ AMX_GROUP(1)
  * the one dequantized at load computes, and reads 3.2x (Q4_1) or 1.9x (Q8_0) fewer weight bytes.
  *
  * A Q4_1 block has only 16 distinct values: they are computed once (one vector multiply and add) and the 32
- * nibbles pick from them (vpermw), about 2x cheaper than converting every weight.
+ * nibbles pick from them (vpermw), about 2x cheaper than converting every weight. Blocks go in pairs (their
+ * nibbles interleaved at load, blocks.py): one conversion makes both tables and one widening both index sets.
  */
 enum { FMT_BF16 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
 static const int64_t BLOCK_BYTES[] = {0, 20, 34};
@@ -191,11 +242,22 @@ static void expand_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
         halves_to_f32(row + 2 * nb, nb, m);
         const uint8_t *qs = row + 4 * nb;
         const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __m128i nibble = _mm_set1_epi8(0x0f);
-        for (int64_t b = 0; b < nb; b++) {
+        const __m512i low = _mm512_set1_epi16(0x0f), second_half = _mm512_set1_epi16(0x10);
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2) { /* a pair: one table of 32 (b + 1's values, then b's), one widening */
+            const __m512 va = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d[b]), iota), _mm512_set1_ps(m[b]));
+            const __m512 vb = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d[b + 1]), iota), _mm512_set1_ps(m[b + 1]));
+            const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(va, vb);
+            const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 16 * b)));
+            const __m512i ia = _mm512_ternarylogic_epi32(q, low, second_half, 0xea); /* (q & 0x0f) | 0x10 */
+            _mm512_storeu_si512(out + 32 * b, _mm512_permutexvar_epi16(ia, lut));
+            _mm512_storeu_si512(out + 32 * (b + 1), _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), lut));
+        }
+        if (b < nb) { /* an odd last block, in the GGUF's order */
             const __m512 values = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d[b]), iota), _mm512_set1_ps(m[b]));
             const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
             const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
+            const __m128i nibble = _mm_set1_epi8(0x0f);
             const __m512i idx = _mm512_cvtepu8_epi16(
                 _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), _mm_and_si128(q, nibble)));
             _mm512_storeu_si512(out + 32 * b, _mm512_permutexvar_epi16(idx, lut));
@@ -243,12 +305,19 @@ static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int
     const int64_t mblocks = (M + 15) / 16, groups4 = N / 64, groups = groups4 + (N % 64) / 16;
     const int64_t row_bytes = fmt == FMT_BF16 ? ldw * 2 : K / 32 * BLOCK_BYTES[fmt];
     uint32_t *xp = aligned_alloc(64, mblocks * K * 32);  /* per m block: [K / 2 pairs][16 rows] of bf16 pairs */
-    memset(xp, 0, mblocks * K * 32);
-    for (int64_t m = 0; m < M; m++) {
-        const uint32_t *row = (const uint32_t *)(x + m * ldx);
-        uint32_t *dst = xp + (m / 16) * K * 8 + m % 16;
-        for (int64_t p = 0; p < K / 2; p++) dst[p * 16] = row[p];
-    }
+    if (M < 8) { /* a few rows: one by one */
+        memset(xp, 0, K * 32);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t p = 0; p < K / 2; p++) xp[p * 16 + m] = ((const uint32_t *)(x + m * ldx))[p];
+    } else
+    for (int64_t mb = 0; mb < mblocks; mb++) /* 16 rows x 16 pairs at a time, rows past M zero */
+        for (int64_t p = 0; p < K / 2; p += 16) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++)
+                r[i] = mb * 16 + i < M ? _mm512_loadu_si512(x + (mb * 16 + i) * ldx + 2 * p) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(xp + mb * K * 8 + (p + i) * 16, r[i]);
+        }
 #pragma omp parallel num_threads(nthreads)
     {
         float c[4 * 256] __attribute__((aligned(64)));
@@ -265,13 +334,29 @@ static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int
                 expand_rows((const uint8_t *)rows, fmt, 16 * nb, K, expanded);
                 wg = expanded, ld = K;
             }
-            for (int64_t mb = 0; mb < mblocks; mb++) {
+            /* the first pass over a group streams the next group's weights into cache, K / 32 parts */
+            const char *pf = rows + 16 * nb * row_bytes;
+            const int64_t pf_lines = g + 1 < groups && PREFETCH ? (64 * row_bytes / 64) / (K / 32) + 1 : 0;
+            int64_t mb = 0;
+            if (nb == 4) /* x blocks in pairs while there are two */
+                for (; mb + 1 < mblocks; mb += 2) {
+                    const uint16_t *xb = (const uint16_t *)(xp + mb * K * 8);
+                    const int rows0 = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
+                    const int rows1 = M - mb * 16 - 16 < 16 ? (int)(M - mb * 16 - 16) : 16;
+                    for (int j = 0; j < 4; j += 2) {
+                        amx_pair(xb, xb + K * 16, wg + j * 16 * ld, ld, K, c, pf, mb == 0 && j == 0 ? pf_lines : 0);
+                        uint16_t *y0 = y + mb * 16 * ldy + n0 + 16 * j;
+                        store_tile(c, rows0, y0, ldy);
+                        store_tile(c + 256, rows1, y0 + 16 * ldy, ldy);
+                        store_tile(c + 512, rows0, y0 + 16, ldy);
+                        store_tile(c + 768, rows1, y0 + 16 * ldy + 16, ldy);
+                    }
+                }
+            for (; mb < mblocks; mb++) {
                 const uint16_t *xb = (const uint16_t *)(xp + mb * K * 8);
-                /* the first pass over a group streams the next group's weights into cache, K / 32 parts */
-                const char *pf = rows + 16 * nb * row_bytes;
-                const int64_t pf_lines = mb == 0 && g + 1 < groups && PREFETCH ? (64 * row_bytes / 64) / (K / 32) + 1 : 0;
-                if (nb == 4) amx_group_4(xb, wg, ld, K, c, pf, pf_lines);
-                else amx_group_1(xb, wg, ld, K, c, pf, pf_lines);
+                const int64_t lines = mb == 0 ? pf_lines : 0;
+                if (nb == 4) amx_group_4(xb, wg, ld, K, c, pf, lines);
+                else amx_group_1(xb, wg, ld, K, c, pf, lines);
                 const int rows_m = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
                 for (int j = 0; j < nb; j++) store_tile(c + j * 256, rows_m, y + mb * 16 * ldy + n0 + 16 * j, ldy);
             }
