@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.faults import Faults
 from kvfence.protocol.actions import Action, Deliver, Send
-from kvfence.protocol.messages import Hello, Output
+from kvfence.protocol.messages import Envelope, Hello, Output
 from kvfence.protocol.router import RouterCore, WorkerInfo
 from kvfence.router.admin import RecentRoutes
 from kvfence.safety import Safety
@@ -28,7 +28,7 @@ from kvfence.workers.channel import Channel
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT_S = 5.0  # local deaths are seen sooner: the supervisor watches exit codes
-POLL_MIN_S, POLL_MAX_S = 0.0005, 0.01
+POLL_S = 0.01  # the inbox is also polled this often, should a wake-up be missed
 
 
 class RemoteEngine:
@@ -147,21 +147,33 @@ class RemoteEngine:
         self._do(self.core.worker_down(worker))
 
     async def _receive(self) -> None:
-        nap = POLL_MIN_S
-        while True:
-            envelopes = self.channel.receive(0)
-            if not envelopes:  # back off while quiet, stay quick while busy
-                await asyncio.sleep(nap)
-                nap = min(nap * 2, POLL_MAX_S)
-                continue
-            nap = POLL_MIN_S
-            now = time.monotonic()
-            for env in envelopes:
-                if isinstance(env.msg, Hello):
-                    if env.msg.worker not in self.core.workers:
-                        log.info("%s worker %s joined", env.msg.role, env.msg.worker)
-                    self._last_seen[env.msg.worker] = now
-                self._do(self.core.handle(env.sender, env.msg))
+        """Handle worker messages as they come: the inbox's file descriptor wakes the loop (ZeroMQ signals it
+        edge-style, so every wake-up drains the inbox), with a poll every POLL_S as a safety net."""
+        wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.channel.fd, wake.set)
+        try:
+            while True:
+                wake.clear()
+                envelopes = self.channel.receive(0)
+                if envelopes:
+                    self._handle(envelopes)
+                    continue
+                try:
+                    await asyncio.wait_for(wake.wait(), POLL_S)
+                except TimeoutError:
+                    pass
+        finally:
+            loop.remove_reader(self.channel.fd)
+
+    def _handle(self, envelopes: list[Envelope]) -> None:
+        now = time.monotonic()
+        for env in envelopes:
+            if isinstance(env.msg, Hello):
+                if env.msg.worker not in self.core.workers:
+                    log.info("%s worker %s joined", env.msg.role, env.msg.worker)
+                self._last_seen[env.msg.worker] = now
+            self._do(self.core.handle(env.sender, env.msg))
 
     async def _watch(self) -> None:
         """Declare silent workers dead, and end requests that heard nothing for too long."""

@@ -83,6 +83,12 @@ class Channel:
                 self.num_bad += 1
                 log.error("dropped a malformed control message (%d bytes): %s", len(data), exc)
 
+    @property
+    def fd(self) -> int:
+        """A file descriptor that turns readable when the inbox may have news (ZeroMQ's: edge-style, so a reader
+        must drain the inbox with ``receive`` after each wake-up)."""
+        return self.inbox.getsockopt(zmq.FD)
+
     def forget(self, peer: str) -> None:
         """Drop the outbox to a dead peer so that a restarted one gets a fresh connection."""
         sock = self.outboxes.pop(peer, None)
