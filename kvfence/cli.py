@@ -43,6 +43,9 @@ def add_pool_args(p: argparse.ArgumentParser, per_role: bool) -> None:
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--max-batch", type=int, default=64, help="running requests per worker at most")
     g.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
+    g.add_argument("--step-tokens", type=int, default=512,
+                   help="prefill tokens per engine step at most, in whole chunks (a step's first chunk always runs): "
+                        "every prompt in a step waits for the whole step, so smaller gets first tokens out sooner")
 
 
 def add_timeout_args(p: argparse.ArgumentParser) -> None:
@@ -177,7 +180,8 @@ def serve_colocated(args: argparse.Namespace) -> int:
     pool = args.kv_pool_tokens or default_pool_tokens(max_context)
     refuse_to_start_unless_fits("colocated", pool, args.page_size, max_context)
     config = EngineConfig(max_context=max_context, kv_pool_tokens=pool,
-                          page_size=args.page_size, max_batch=args.max_batch, chunk_size=args.chunk_size)
+                          page_size=args.page_size, max_batch=args.max_batch, chunk_size=args.chunk_size,
+                          step_tokens=args.step_tokens)
     engine = Engine(loaded.model, loaded.tokenizer, config, dtype_of(args), args.device)
     log.info("colocated engine: KV pool %d tokens (%d pages of %d, %.0f MiB)", config.num_pages * config.page_size,
              config.num_pages, config.page_size, engine.pool.nbytes / 2**20)
@@ -250,6 +254,7 @@ def worker_settings(args, role: str, bind: str, router: str, max_context: int, p
     return WorkerSettings(
         role=role, bind=bind, router=router, model=args.model, dtype=args.dtype, device=args.device,
         max_context=max_context, pool_tokens=pool_tokens, page_size=args.page_size, chunk_size=args.chunk_size,
+        step_tokens=args.step_tokens,
         max_batch=args.max_batch, transfer=args.transfer, advertise=advertise,
         emulate_incident=getattr(args, "emulate_incident", False),
         threads=args.threads if threads is None else threads, solo_threads=solo_threads, log_level=args.log_level,

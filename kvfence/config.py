@@ -44,7 +44,7 @@ class EngineConfig:
     page_size: int = 16
     max_batch: int = 64  # running requests at most
     chunk_size: int = 512  # prefill chunk; chunk boundaries are fixed per request
-    step_tokens: int = 2048  # prefill tokens at most per step (budget, whole chunks)
+    step_tokens: int = 512  # prefill tokens at most per step (budget, whole chunks)
 
     @property
     def num_pages(self) -> int:

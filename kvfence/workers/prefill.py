@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
 from kvfence.core import KvfenceError, Request, ServiceUnavailable
@@ -25,6 +25,8 @@ from kvfence.transfer.base import KVInitiator, Segment
 from kvfence.workers.common import WorkerBase, WorkerSettings
 
 log = logging.getLogger(__name__)
+
+SETTLE_S = 0.25  # a step waits this long at most for the writes of the prompts it finished
 
 
 @dataclass
@@ -88,6 +90,12 @@ class PrefillRunner(Engine):
                 self.pages.free(rid, seq.drop_grants())
                 done.append((ship, seq.req.prompt_len, ship.error()))
         return done
+
+    def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the writes of prompts that finished computing, so that their ``Done`` leaves
+        with this step rather than after the next one (a step can take a second; a write takes milliseconds).
+        Writes of prompts still computing keep overlapping the compute."""
+        wait([f for rid in self.draining for f in self.shipments[rid].futures], timeout=timeout)
 
     def _computed(self, work: list[Work]) -> None:
         for w in work:
@@ -188,6 +196,7 @@ class PrefillWorker(WorkerBase):
     def step(self, now: float) -> list[Action]:
         self.set_threads(other_role_idle=self.core.idle_pair())
         self.runner.step()
+        self.runner.settle(SETTLE_S)
         return self.collect()
 
     def collect(self) -> list[Action]:

@@ -20,6 +20,7 @@ class WorkerSettings:
     pool_tokens: int
     page_size: int = 16
     chunk_size: int = 512
+    step_tokens: int = 512
     max_batch: int = 64
     transfer: str = "shm"
     advertise: str | None = None
