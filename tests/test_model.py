@@ -416,6 +416,35 @@ def test_decode_attention_kernel_matches_sdpa_and_ignores_its_neighbours():
         assert (err <= 2**-8 * ref.abs() + 1e-5).all(), (s, err.max())
 
 
+@pytest.mark.skipif(not kernels.prefill_attention_fits(9, 3, 64), reason="prefill attention needs the kernels and AMX")
+def test_prefill_attention_kernel_is_causal_attention_and_the_same_on_any_thread_count():
+    """Chunks of n queries at the end of S positions (fresh prompts, chunks after context, partial 16- and
+    32-position blocks) against float32 SDPA with the bottom-right causal mask: within the bf16 rounding of its
+    softmax weights and output. The bits do not depend on the thread count or on where the slots lie."""
+    gen = torch.Generator().manual_seed(11)
+    H, KV, D = 9, 3, 64
+    kv = torch.randn(4096, 2, KV, D, generator=gen).bfloat16()
+    for S, n in [(1, 1), (17, 17), (204, 204), (300, 40), (513, 1), (1000, 512)]:
+        slots = torch.randperm(4096, generator=gen)[:S]
+        q = torch.randn(n, H + 2 * KV, D, generator=gen).bfloat16()[:, :H]  # a view of qkv rows, as in the model
+        got = {}
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            got[threads] = kernels.prefill_attention(q, kv, slots, torch.empty(n, H * D).bfloat16())
+        kernels.set_threads(0)
+        assert torch.equal(got[1], got[2]), (S, n)
+        moved = torch.randn(4096, 2, KV, D, generator=gen).bfloat16()
+        moved[: S] = kv[slots]
+        assert torch.equal(kernels.prefill_attention(q, moved, torch.arange(S), torch.empty(n, H * D).bfloat16()),
+                           got[1]), (S, n)
+        k, v = (kv[slots, j].float().transpose(0, 1).unsqueeze(0) for j in (0, 1))
+        mask = torch.ones(n, S, dtype=torch.bool).tril(S - n)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+        err = (got[1].float() - ref.reshape(n, -1)).abs()
+        assert (err <= 2**-6 * ref.reshape(n, -1).abs() + 2**-6).all(), (S, n, err.max())
+
+
 @pytest.mark.skipif(not kernels.available(), reason="no decode kernel here (needs a C compiler and AVX512-BF16)")
 def test_decode_kernels_give_the_same_bits_on_any_thread_count():
     """A lone decode worker runs the C kernels on every core while no prefill runs, on fewer otherwise."""

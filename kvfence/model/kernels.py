@@ -85,6 +85,9 @@ def _library() -> ctypes.CDLL | None:
     so.kvf_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
                                         ctypes.c_int]
     so.kvf_decode_attention.restype = None
+    so.kvf_prefill_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
+                                         ctypes.c_int]
+    so.kvf_prefill_attention.restype = None
     so.kvf_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     so.kvf_add_rms_norm.restype = None
     so.kvf_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
@@ -167,6 +170,32 @@ def decode_attention(
     _library().kvf_decode_attention(
         q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), slots.data_ptr(), starts.data_ptr(), n, H, KV, D,
         D**-0.5, out.data_ptr(), out.stride(0), _nthreads(),
+    )
+    return out
+
+
+def prefill_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether ``prefill_attention`` handles this head layout here (it needs AMX tiles)."""
+    lib = _library()
+    return lib is not None and lib.amx and head_dim in (32, 64) and num_heads % num_kv_heads == 0
+
+
+def prefill_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one chunk: n queries at positions S - n .. S - 1 over the sequence's S positions, whose
+    K/V sit in pool slots ``slots`` ``[S]`` (int64) of kv ``[num_slots, 2, KV, D]`` (a pool layer). q ``[n, H, D]``
+    (any row stride), out ``[n, H D]`` (any row stride); bfloat16. Each query head is computed alone, the same way
+    on any thread count."""
+    n, H, D = q.shape
+    KV, S = kv.shape[2], slots.shape[0]
+    if not (q.dtype == kv.dtype == out.dtype == torch.bfloat16 and prefill_attention_fits(H, KV, D)):
+        raise ValueError("prefill attention: bfloat16, head_dim 32 or 64, and AMX needed")
+    if q.stride()[1:] != (D, 1) or kv.stride()[1:] != (KV * D, D, 1) or out.stride(1) != 1 or out.shape != (n, H * D):
+        raise ValueError("prefill attention: bad layout")
+    if slots.dtype != torch.int64 or not slots.is_contiguous() or not 0 < n <= S:
+        raise ValueError("prefill attention: slots must be contiguous int64, at least one per query")
+    _library().kvf_prefill_attention(
+        q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), slots.data_ptr(), n, S, H, KV, D, D**-0.5,
+        out.data_ptr(), out.stride(0), _nthreads(),
     )
     return out
 

@@ -119,6 +119,9 @@ class Model:
         self.c_gemm = self.dtype == torch.bfloat16 and self.device.type == "cpu" and kernels.available()
         self.decode_attn = self.c_gemm and kernels.attention_fits(config.num_heads, config.num_kv_heads,
                                                                   config.head_dim)
+        # prefill chunks' attention on AMX tiles (else torch's SDPA); KVFENCE_PREFILL_ATTENTION=0 turns it off
+        self.prefill_attn = (self.decode_attn and os.environ.get("KVFENCE_PREFILL_ATTENTION", "1") != "0"
+                             and kernels.prefill_attention_fits(config.num_heads, config.num_kv_heads, config.head_dim))
         if not self.c_gemm:
             self.calibrate()
 
@@ -237,7 +240,8 @@ class Model:
             out = kernels.decode_attention(q, slots, b.read_slots, b.decode_starts, x.new_empty(T, H * D))
             return self._linear(out, layer.o)  # [T, hidden]
         k_from = b.decode_kv if d else 0
-        kv = slots.index_select(0, b.read_slots[k_from:])  # [S_total, 2, KV, D], sequences the kernel does not read
+        if not self.prefill_attn or any(a.group and not d for a in b.attn):
+            kv = slots.index_select(0, b.read_slots[k_from:])  # [S_total, 2, KV, D], what the kernels do not read
         if len(b.attn) == 1 and b.attn[0].group:  # all decode, one length: the output is the attention result
             out = self._decode_attention(q, kv, b.attn[0])  # [T, H D]
         else:
@@ -245,7 +249,9 @@ class Model:
             if d:
                 kernels.decode_attention(q[:d], slots, b.read_slots[: b.decode_kv], b.decode_starts, out[:d])
             for a in b.attn:
-                if not a.group:
+                if not a.group and self.prefill_attn:
+                    kernels.prefill_attention(q[a.q0 : a.q1], slots, b.read_slots[a.k0 : a.k1], out[a.q0 : a.q1])
+                elif not a.group:
                     out[a.q0 : a.q1] = self._chunk_attention(q[a.q0 : a.q1], kv[a.k0 - k_from : a.k1 - k_from], a)
                 elif not d:
                     out[a.q0 : a.q1] = self._decode_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a)
