@@ -476,115 +476,153 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
     }
 }
 
-/* ---- prefill attention on tiles ------------------------------------------------------------------------------
+/* ---- attention on tiles ----------------------------------------------------------------------------------------
  *
- * One chunk of n queries at positions S - n .. S - 1 over its sequence's S positions, causal. One task per query
- * head: its K/V head is packed into tile layouts (K transposed in pairs of d, V in pairs of positions; zeros past
- * S), then per block of 16 queries: scores on tiles (fp32), a float32 softmax over the positions each query sees,
- * its weights rounded to bf16 for the product with V on tiles, and that divided by the weights' (fp32) sum. A task
- * reads only its own head and runs the same instructions whichever thread runs it; a chunk's result depends on
- * nothing else in the batch.
+ * For one K/V head of one sequence: its S positions are packed into tile layouts (K transposed in pairs of d, V in
+ * pairs of positions; zeros past S), then up to 16 query rows that share the head attend: scores on tiles (fp32),
+ * a float32 softmax over the positions each row sees, the weights rounded to bf16 for the product with V on
+ * tiles, and that divided by the weights' (fp32) sum. Prefill runs one task per query head, 16 of its queries
+ * at a time, each seeing the positions up to its own. A task reads only its own rows and head and runs the same
+ * instructions whichever thread runs it, so a chunk's result depends on nothing else in the batch.
  */
-#define PF_MAX_D 64
+#define TILE_MAX_D 64
 
+typedef struct { /* one thread's buffers for sequences of up to cap positions */
+    uint32_t *kt, *vp;
+    float *sc;
+    uint16_t *p;
+    int64_t cap;
+} attn_scratch;
+
+static void scratch_reserve(attn_scratch *w, int64_t S) {
+    const int64_t cap = (S + 31) / 32 * 32;
+    if (cap <= w->cap) return;
+    free(w->kt), free(w->vp), free(w->sc), free(w->p);
+    w->kt = aligned_alloc(64, cap * TILE_MAX_D * 2); /* per 16 positions, per 32 d: [16 d pairs][16 positions] */
+    w->vp = aligned_alloc(64, cap * TILE_MAX_D * 2); /* per 32 positions, per 16 d: [16 position pairs][16 d] */
+    w->sc = aligned_alloc(64, 16 * cap * 4);
+    w->p = aligned_alloc(64, 16 * cap * 2);
+    w->cap = cap;
+}
+
+static void scratch_free(attn_scratch *w) { free(w->kt), free(w->vp), free(w->sc), free(w->p); }
+
+/* K/V head h of positions slots[0 .. S) into w's tile layouts. */
+static void pack_head(const uint16_t *kv, int64_t slot_stride, const int64_t *slots, int64_t S, int64_t h, int64_t KV,
+                      int64_t D, attn_scratch *w) {
+    const int64_t S16 = (S + 15) / 16 * 16, S32 = (S + 31) / 32 * 32, DP = D / 32;
+    for (int64_t j0 = 0; j0 < S16; j0 += 16)
+        for (int64_t d = 0; d < D; d += 32) {
+            __m512i r[16];
+            for (int64_t j = 0; j < 16; j++)
+                r[j] = j0 + j < S ? _mm512_loadu_si512(kv + slots[j0 + j] * slot_stride + h * D + d) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(w->kt + (j0 / 16 * DP + d / 32) * 256 + i * 16, r[i]);
+        }
+    for (int64_t j0 = 0; j0 < S32; j0 += 32)
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t a = j0 + 2 * i, b = a + 1;
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m256i va = a < S ? _mm256_loadu_si256((const __m256i *)(kv + slots[a] * slot_stride + (KV + h) * D + d))
+                                         : _mm256_setzero_si256();
+                const __m256i vb = b < S ? _mm256_loadu_si256((const __m256i *)(kv + slots[b] * slot_stride + (KV + h) * D + d))
+                                         : _mm256_setzero_si256();
+                _mm512_store_si512(w->vp + (j0 / 32 * (D / 16) + d / 16) * 256 + i * 16,
+                                   _mm512_or_si512(_mm512_cvtepu16_epi32(va), _mm512_slli_epi32(_mm512_cvtepu16_epi32(vb), 16)));
+            }
+        }
+}
+
+/* Rows r < rows of qb ([16][D], zero past rows) over the packed head: row r sees positions [0, seen[r]) and its
+ * output goes to dst[r] (D bf16). Needs seen[r] >= 1 and the packed head to hold max(seen) positions. */
+static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, uint16_t *const *dst, int64_t D,
+                        float scale, attn_scratch *w) {
+    const int64_t DP = D / 32, ld = w->cap;
+    int64_t last = 0;
+    for (int64_t r = 0; r < rows; r++) last = seen[r] > last ? seen[r] : last;
+    const int64_t keys16 = (last + 15) / 16 * 16, keys32 = (last + 31) / 32 * 32;
+    for (int64_t j0 = 0; j0 < keys16; j0 += 16) { /* scores: 16 rows x 16 positions */
+        _tile_zero(0);
+        for (int64_t d = 0; d < D; d += 32) {
+            _tile_loadd(4, qb + d, D * 2);
+            _tile_loadd(6, w->kt + (j0 / 16 * DP + d / 32) * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+        }
+        _tile_stored(0, w->sc + j0, ld * 4);
+    }
+    float inv[16];
+    for (int64_t r = 0; r < 16; r++) { /* softmax weights, unnormalised, bf16; zero past what r sees */
+        const float *row = w->sc + r * ld;
+        uint16_t *pr = w->p + r * ld;
+        const int64_t n = r < rows ? seen[r] : 0;
+        __m512 mx = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+            mx = _mm512_mask_max_ps(mx, m, mx, _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(scale)));
+        }
+        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        for (int64_t j = 0; j < keys32; j += 16) {
+            const __mmask16 m = j >= n ? 0 : n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(
+                _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_set1_ps(scale)), mv)));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_store_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        inv[r] = r < rows ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
+    }
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t j0 = 0; j0 < keys32; j0 += 32) { /* weights x V: 16 rows x D */
+        _tile_loadd(4, w->p + j0, ld * 2);
+        for (int64_t c = 0; c < D / 16; c++) {
+            _tile_loadd(6, w->vp + (j0 / 32 * (D / 16) + c) * 256, 64);
+            switch (c) {
+            case 0: _tile_dpbf16ps(0, 4, 6); break;
+            case 1: _tile_dpbf16ps(1, 4, 6); break;
+            case 2: _tile_dpbf16ps(2, 4, 6); break;
+            default: _tile_dpbf16ps(3, 4, 6); break;
+            }
+        }
+    }
+    float o[4 * 256] __attribute__((aligned(64)));
+    _tile_stored(0, o, 64);
+    if (D > 16) _tile_stored(1, o + 256, 64);
+    if (D > 32) _tile_stored(2, o + 512, 64);
+    if (D > 48) _tile_stored(3, o + 768, 64);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < D / 16; c++)
+            _mm256_storeu_si256((__m256i *)(dst[r] + c * 16), (__m256i)_mm512_cvtneps_pbh(
+                _mm512_mul_ps(_mm512_load_ps(o + c * 256 + r * 16), _mm512_set1_ps(inv[r]))));
+}
+
+/* One chunk of n queries at positions S - n .. S - 1 over its sequence's S positions (slots), causal. q: row i at
+ * q + i * ldq, H heads of D; out: row i at out + i * ldo. D is 32 or 64 (the caller checks). */
 void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, int64_t slot_stride,
                            const int64_t *slots, int64_t n, int64_t S, int64_t H, int64_t KV, int64_t D, float scale,
                            uint16_t *out, int64_t ldo, int nthreads) {
-    const int64_t G = H / KV, S16 = (S + 15) / 16 * 16, S32 = (S + 31) / 32 * 32, DP = D / 32;
+    const int64_t G = H / KV;
 #pragma omp parallel num_threads(nthreads)
     {
-        uint32_t *kt = aligned_alloc(64, S16 * D * 2);  /* per 16 positions, per 32 d: [16 d pairs][16 positions] */
-        uint32_t *vp = aligned_alloc(64, S32 * D * 2);  /* per 32 positions, per 16 d: [16 position pairs][16 d] */
-        float *sc = aligned_alloc(64, 16 * S32 * 4);
-        uint16_t *p = aligned_alloc(64, 16 * S32 * 2);
-        uint16_t qb[16 * PF_MAX_D] __attribute__((aligned(64)));
-        float o[4 * 256] __attribute__((aligned(64)));
+        attn_scratch w = {0};
+        scratch_reserve(&w, S);
+        uint16_t qb[16 * TILE_MAX_D] __attribute__((aligned(64)));
         configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < H; h++) {
-            const int64_t kvh = h / G;
-            for (int64_t j0 = 0; j0 < S16; j0 += 16) /* K: 16 positions x 16 d pairs, transposed */
-                for (int64_t d = 0; d < D; d += 32) {
-                    __m512i r[16];
-                    for (int64_t j = 0; j < 16; j++)
-                        r[j] = j0 + j < S ? _mm512_loadu_si512(kv + slots[j0 + j] * slot_stride + kvh * D + d)
-                                          : _mm512_setzero_si512();
-                    transpose16(r);
-                    for (int64_t i = 0; i < 16; i++) _mm512_store_si512(kt + (j0 / 16 * DP + d / 32) * 256 + i * 16, r[i]);
-                }
-            for (int64_t j0 = 0; j0 < S32; j0 += 32) /* V: pairs of positions interleaved, 16 d at a time */
-                for (int64_t i = 0; i < 16; i++) {
-                    const int64_t a = j0 + 2 * i, b = a + 1;
-                    for (int64_t d = 0; d < D; d += 16) {
-                        const __m256i va = a < S ? _mm256_loadu_si256((const __m256i *)(kv + slots[a] * slot_stride + (KV + kvh) * D + d))
-                                                 : _mm256_setzero_si256();
-                        const __m256i vb = b < S ? _mm256_loadu_si256((const __m256i *)(kv + slots[b] * slot_stride + (KV + kvh) * D + d))
-                                                 : _mm256_setzero_si256();
-                        const __m512i lo = _mm512_cvtepu16_epi32(va), hi = _mm512_cvtepu16_epi32(vb);
-                        _mm512_store_si512(vp + (j0 / 32 * (D / 16) + d / 16) * 256 + i * 16,
-                                           _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-                    }
-                }
+            pack_head(kv, slot_stride, slots, S, h / G, KV, D, &w);
             for (int64_t i0 = 0; i0 < n; i0 += 16) {
-                const int64_t rows = n - i0 < 16 ? n - i0 : 16, last = S - n + i0 + rows; /* positions seen: < last */
+                const int64_t rows = n - i0 < 16 ? n - i0 : 16;
+                int64_t seen[16];
+                uint16_t *dst[16];
                 memset(qb, 0, sizeof qb);
-                for (int64_t r = 0; r < rows; r++) memcpy(qb + r * D, q + (i0 + r) * ldq + h * D, D * 2);
-                const int64_t keys16 = (last + 15) / 16 * 16, keys32 = (last + 31) / 32 * 32;
-                for (int64_t j0 = 0; j0 < keys16; j0 += 16) { /* scores: 16 queries x 16 positions */
-                    _tile_zero(0);
-                    for (int64_t d = 0; d < D; d += 32) {
-                        _tile_loadd(4, qb + d, D * 2);
-                        _tile_loadd(6, kt + (j0 / 16 * DP + d / 32) * 256, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                    }
-                    _tile_stored(0, sc + j0, S32 * 4);
+                for (int64_t r = 0; r < rows; r++) {
+                    memcpy(qb + r * D, q + (i0 + r) * ldq + h * D, D * 2);
+                    seen[r] = S - n + i0 + r + 1, dst[r] = out + (i0 + r) * ldo + h * D;
                 }
-                float inv[16];
-                for (int64_t r = 0; r < 16; r++) { /* softmax weights, unnormalised, bf16; zero past what r sees */
-                    float *row = sc + r * S32;
-                    uint16_t *pr = p + r * S32;
-                    const int64_t seen = r < rows ? S - n + i0 + r + 1 : 0;
-                    __m512 mx = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps();
-                    for (int64_t j = 0; j < seen; j += 16) {
-                        const __mmask16 m = seen - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (seen - j)) - 1u);
-                        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(scale)));
-                    }
-                    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-                    for (int64_t j = 0; j < keys32; j += 16) {
-                        const __mmask16 m = j >= seen ? 0 : seen - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (seen - j)) - 1u);
-                        const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(
-                            _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_set1_ps(scale)), mv)));
-                        sum = _mm512_add_ps(sum, e);
-                        _mm256_store_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
-                    }
-                    inv[r] = r < rows ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
-                }
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t j0 = 0; j0 < keys32; j0 += 32) { /* weights x V: 16 queries x D */
-                    _tile_loadd(4, p + j0, S32 * 2);
-                    for (int64_t c = 0; c < D / 16; c++) {
-                        _tile_loadd(6, vp + (j0 / 32 * (D / 16) + c) * 256, 64);
-                        switch (c) {
-                        case 0: _tile_dpbf16ps(0, 4, 6); break;
-                        case 1: _tile_dpbf16ps(1, 4, 6); break;
-                        case 2: _tile_dpbf16ps(2, 4, 6); break;
-                        default: _tile_dpbf16ps(3, 4, 6); break;
-                        }
-                    }
-                }
-                _tile_stored(0, o, 64);
-                if (D > 16) _tile_stored(1, o + 256, 64);
-                if (D > 32) _tile_stored(2, o + 512, 64);
-                if (D > 48) _tile_stored(3, o + 768, 64);
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t c = 0; c < D / 16; c++)
-                        _mm256_storeu_si256((__m256i *)(out + (i0 + r) * ldo + h * D + c * 16),
-                                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
-                                                _mm512_load_ps(o + c * 256 + r * 16), _mm512_set1_ps(inv[r]))));
+                attend_rows(qb, rows, seen, dst, D, scale, &w);
             }
         }
         _tile_release();
-        free(kt), free(vp), free(sc), free(p);
+        scratch_free(&w);
     }
 }
 
