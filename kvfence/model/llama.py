@@ -240,8 +240,8 @@ class Model:
             out = kernels.decode_attention(q, slots, b.read_slots, b.decode_starts, x.new_empty(T, H * D))
             return self._linear(out, layer.o)  # [T, hidden]
         k_from = b.decode_kv if d else 0
-        if not self.prefill_attn or any(a.group and not d for a in b.attn):
-            kv = slots.index_select(0, b.read_slots[k_from:])  # [S_total, 2, KV, D], what the kernels do not read
+        if not self.prefill_attn:  # else the kernels read every sequence from the pool themselves
+            kv = slots.index_select(0, b.read_slots[k_from:])  # [S_total, 2, KV, D], sequences they do not read
         if len(b.attn) == 1 and b.attn[0].group:  # all decode, one length: the output is the attention result
             out = self._decode_attention(q, kv, b.attn[0])  # [T, H D]
         else:

@@ -27,6 +27,7 @@ from kvfence.workers.common import WorkerBase, WorkerSettings
 log = logging.getLogger(__name__)
 
 SETTLE_S = 0.25  # a step waits this long at most for the writes of the prompts it finished
+DRAIN_POLL_S = 0.005  # with only writes in flight, the loop checks its inbox this often
 
 
 @dataclass
@@ -195,8 +196,11 @@ class PrefillWorker(WorkerBase):
 
     def step(self, now: float) -> list[Action]:
         self.set_threads(other_role_idle=self.core.idle_pair())
-        self.runner.step()
-        self.runner.settle(SETTLE_S)
+        if self.runner.has_work:
+            self.runner.step()
+            self.runner.settle(SETTLE_S)
+        else:  # only writes draining: wait for them a little instead of spinning on a shared core
+            self.runner.settle(DRAIN_POLL_S)
         return self.collect()
 
     def collect(self) -> list[Action]:
