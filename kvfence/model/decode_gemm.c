@@ -309,15 +309,16 @@ static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int
         memset(xp, 0, K * 32);
         for (int64_t m = 0; m < M; m++)
             for (int64_t p = 0; p < K / 2; p++) xp[p * 16 + m] = ((const uint32_t *)(x + m * ldx))[p];
-    } else
-    for (int64_t mb = 0; mb < mblocks; mb++) /* 16 rows x 16 pairs at a time, rows past M zero */
-        for (int64_t p = 0; p < K / 2; p += 16) {
-            __m512i r[16];
-            for (int64_t i = 0; i < 16; i++)
-                r[i] = mb * 16 + i < M ? _mm512_loadu_si512(x + (mb * 16 + i) * ldx + 2 * p) : _mm512_setzero_si512();
-            transpose16(r);
-            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(xp + mb * K * 8 + (p + i) * 16, r[i]);
-        }
+    } else {
+        for (int64_t mb = 0; mb < mblocks; mb++) /* 16 rows x 16 pairs at a time, rows past M zero */
+            for (int64_t p = 0; p < K / 2; p += 16) {
+                __m512i r[16];
+                for (int64_t i = 0; i < 16; i++)
+                    r[i] = mb * 16 + i < M ? _mm512_loadu_si512(x + (mb * 16 + i) * ldx + 2 * p) : _mm512_setzero_si512();
+                transpose16(r);
+                for (int64_t i = 0; i < 16; i++) _mm512_store_si512(xp + mb * K * 8 + (p + i) * 16, r[i]);
+            }
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         float c[4 * 256] __attribute__((aligned(64)));
@@ -494,15 +495,15 @@ typedef struct { /* one thread's buffers for sequences of up to cap positions */
     int64_t cap;
 } attn_scratch;
 
-static void scratch_reserve(attn_scratch *w, int64_t S) {
+static attn_scratch scratch_alloc(int64_t S) {
     const int64_t cap = (S + 31) / 32 * 32;
-    if (cap <= w->cap) return;
-    free(w->kt), free(w->vp), free(w->sc), free(w->p);
-    w->kt = aligned_alloc(64, cap * TILE_MAX_D * 2); /* per 16 positions, per 32 d: [16 d pairs][16 positions] */
-    w->vp = aligned_alloc(64, cap * TILE_MAX_D * 2); /* per 32 positions, per 16 d: [16 position pairs][16 d] */
-    w->sc = aligned_alloc(64, 16 * cap * 4);
-    w->p = aligned_alloc(64, 16 * cap * 2);
-    w->cap = cap;
+    return (attn_scratch){
+        .kt = aligned_alloc(64, cap * TILE_MAX_D * 2), /* per 16 positions, per 32 d: [16 d pairs][16 positions] */
+        .vp = aligned_alloc(64, cap * TILE_MAX_D * 2), /* per 32 positions, per 16 d: [16 position pairs][16 d] */
+        .sc = aligned_alloc(64, 16 * cap * 4),
+        .p = aligned_alloc(64, 16 * cap * 2),
+        .cap = cap,
+    };
 }
 
 static void scratch_free(attn_scratch *w) { free(w->kt), free(w->vp), free(w->sc), free(w->p); }
@@ -602,8 +603,7 @@ void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, i
     const int64_t G = H / KV;
 #pragma omp parallel num_threads(nthreads)
     {
-        attn_scratch w = {0};
-        scratch_reserve(&w, S);
+        attn_scratch w = scratch_alloc(S);
         uint16_t qb[16 * TILE_MAX_D] __attribute__((aligned(64)));
         configure_tiles();
 #pragma omp for schedule(static)
