@@ -10,6 +10,8 @@ import sys
 import time
 
 from kvfence.config import POOL_CONTEXTS, default_pool_tokens
+from kvfence.tools.audit import count as non_negative_int
+from kvfence.tools.audit import positive_int
 
 DTYPES = ("bfloat16", "float32")
 TRANSFERS = ("shm", "tcp", "mooncake", "nixl")
@@ -26,24 +28,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "directory (config.json + *.safetensors + tokenizer.json) of the Llama/Qwen2/Qwen3 family")
     g.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV cache precision")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
-    g.add_argument("--threads", type=int, default=0,
+    g.add_argument("--threads", type=non_negative_int, default=0,
                    help="CPU threads per process (0: serve splits this host's cores between its workers; "
                         "otherwise torch's default)")
-    g.add_argument("--max-context", type=int, default=None,
+    g.add_argument("--max-context", type=positive_int, default=None,
                    help="most tokens (prompt + completion) per request (default: the model's context length)")
 
 
 def add_pool_args(p: argparse.ArgumentParser, per_role: bool) -> None:
     g = p.add_argument_group("KV cache and batching")
-    g.add_argument("--kv-pool-tokens", type=int, default=None,
+    g.add_argument("--kv-pool-tokens", type=positive_int, default=None,
                    help=f"KV pool size in tokens for every worker (default: {POOL_CONTEXTS} x max context)")
     if per_role:
-        g.add_argument("--prefill-pool-tokens", type=int, default=None, help="prefill workers' pool (overrides)")
-        g.add_argument("--decode-pool-tokens", type=int, default=None, help="decode workers' pool (overrides)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    g.add_argument("--max-batch", type=int, default=64, help="running requests per worker at most")
-    g.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
-    g.add_argument("--step-tokens", type=int, default=512,
+        g.add_argument("--prefill-pool-tokens", type=positive_int, default=None,
+                       help="prefill workers' pool (overrides)")
+        g.add_argument("--decode-pool-tokens", type=positive_int, default=None,
+                       help="decode workers' pool (overrides)")
+    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    g.add_argument("--max-batch", type=positive_int, default=64, help="running requests per worker at most")
+    g.add_argument("--chunk-size", type=positive_int, default=512, help="prefill chunk in tokens")
+    g.add_argument("--step-tokens", type=positive_int, default=512,
                    help="prefill tokens per engine step at most, in whole chunks (a step's first chunk always runs): "
                         "every prompt in a step waits for the whole step, so smaller gets first tokens out sooner")
 
@@ -77,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "engine) and serve the OpenAI API. Ctrl-C stops everything.")
     serve.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated",
                        help="disaggregated: router + prefill and decode worker processes; colocated: one process")
-    serve.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
-    serve.add_argument("--decode", type=int, default=1, help="decode worker processes")
+    serve.add_argument("--prefill", type=positive_int, default=1, help="prefill worker processes")
+    serve.add_argument("--decode", type=positive_int, default=1, help="decode worker processes")
     serve.add_argument("--transfer", choices=TRANSFERS, default="shm", help="KV data plane between the workers")
     serve.add_argument("--emulate-incident", action="store_true", help=argparse.SUPPRESS)  # test-only
     add_http_args(serve)

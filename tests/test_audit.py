@@ -184,6 +184,18 @@ def test_flags_bad_values_exit_2_from_argparse(capsys):
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("argv", [["--page-size", "0"], ["--chunk-size", "0"], ["--step-tokens", "0"],
+                                  ["--max-batch", "0"], ["--kv-pool-tokens", "-5"], ["--prefill", "0"],
+                                  ["--threads", "-1"], ["--max-context", "0"], ["--step-tokens", "many"]])
+def test_serve_refuses_sizes_that_would_hang_or_crash_it(capsys, argv):
+    """A zero step budget or batch never admitted a request, a zero page size divided by zero, and a zero chunk
+    size crashed the prefill worker in a loop: argparse now stops them before anything starts."""
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", *argv])
+    assert caught.value.code == 2
+    assert f"argument {argv[0]}" in capsys.readouterr().err
+
+
 # -- kvfence audit --url: fake remote servers -----------------------------------------------------------------
 
 

@@ -325,14 +325,16 @@ def report_json(sources: list[str], nodes: list[NodeCheck]) -> str:
 # -- command ---------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
     return value
 
 
-def _count(text: str) -> int:
+def count(text: str) -> int:
+    """argparse type: an integer of at least 0."""
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
@@ -359,21 +361,21 @@ def add_audit_parser(sub) -> None:
     plan.add_argument("--model", default="smollm2-135m", help="as for kvfence serve; only its metadata is read")
     plan.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16", help="KV cache precision")
     plan.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
-    plan.add_argument("--prefill", type=_count, metavar="N", default=1, help="prefill workers")
-    plan.add_argument("--decode", type=_count, metavar="N", default=1, help="decode workers")
+    plan.add_argument("--prefill", type=count, metavar="N", default=1, help="prefill workers")
+    plan.add_argument("--decode", type=count, metavar="N", default=1, help="decode workers")
     pool = p.add_argument_group("pools (without --url): tokens or memory per node; a role's own flag wins")
-    pool.add_argument("--kv-pool-tokens", type=_count, metavar="N",
+    pool.add_argument("--kv-pool-tokens", type=count, metavar="N",
                       help=f"every node's pool in tokens (default: {POOL_CONTEXTS} x max context)")
-    pool.add_argument("--prefill-pool-tokens", type=_count, metavar="N")
-    pool.add_argument("--decode-pool-tokens", type=_count, metavar="N")
+    pool.add_argument("--prefill-pool-tokens", type=count, metavar="N")
+    pool.add_argument("--decode-pool-tokens", type=count, metavar="N")
     pool.add_argument("--pool-memory", type=parse_bytes, metavar="SIZE",
                       help="every node's pool region in bytes, e.g. 512MiB, 2GiB (K/V plus page tags)")
     pool.add_argument("--prefill-pool-memory", type=parse_bytes, metavar="SIZE")
     pool.add_argument("--decode-pool-memory", type=parse_bytes, metavar="SIZE")
     both = p.add_argument_group("either form")
-    both.add_argument("--max-context", type=_positive_int, default=None, metavar="N",
+    both.add_argument("--max-context", type=positive_int, default=None, metavar="N",
                       help="the context served (default: the model's; with --url: what the server reports)")
-    both.add_argument("--page-size", type=_positive_int, default=16, metavar="N",
+    both.add_argument("--page-size", type=positive_int, default=16, metavar="N",
                       help="tokens per KV page (with --url: for kvfence workers, which do not report it)")
     both.add_argument("--json", action="store_true", help="print JSON instead of a table")
     url = p.add_argument_group("a running server")
