@@ -248,9 +248,12 @@ def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tena
     flags = ("--emulate-incident", "--prefill-pool-tokens", "1024", "--max-context", "4096",
              "--decode-pool-tokens", "1088", "--tenants", tenants)
     with Server(*flags, env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
-        done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "180")
-    assert done.returncode == EXIT_FINDINGS, done.stdout + done.stderr[-3000:]
-    kinds = {f["kind"] for f in report["findings"]}
+        for _ in range(2):  # a leak needs the model to repeat a code from stale KV: most runs show it, not every one
+            done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "180")
+            assert done.returncode == EXIT_FINDINGS, done.stdout + done.stderr[-3000:]
+            kinds = {f["kind"] for f in report["findings"]}
+            if "leak" in kinds:
+                break
     assert {"leak", "wrong status"} <= kinds, done.stdout
     leak = next(f for f in report["findings"] if f["kind"] == "leak")
     assert leak["receiver"] == "key3" and set(leak["victims"]) <= {"key1", "key2"} and leak["victims"]
