@@ -14,6 +14,14 @@
 #include <math.h>
 #include <string.h>
 
+/* The first min(left, 16) of 16 lanes; none when left <= 0. */
+static inline __mmask16 first_lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+}
+
+/* Real rows of a 16-row block with ``left`` rows still to go. */
+static inline int block_rows(int64_t left) { return left < 16 ? (int)left : 16; }
+
 static inline __m512bh load_bh(const uint16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
@@ -228,7 +236,7 @@ static const int64_t BLOCK_BYTES[] = {0, 20, 34};
 
 static void halves_to_f32(const uint8_t *p, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 mask = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 mask = first_lanes(n - i);
         _mm512_mask_storeu_ps(out + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p + 2 * i)));
     }
 }
@@ -342,8 +350,8 @@ static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int
             if (nb == 4) /* x blocks in pairs while there are two */
                 for (; mb + 1 < mblocks; mb += 2) {
                     const uint16_t *xb = (const uint16_t *)(xp + mb * K * 8);
-                    const int rows0 = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
-                    const int rows1 = M - mb * 16 - 16 < 16 ? (int)(M - mb * 16 - 16) : 16;
+                    const int rows0 = block_rows(M - mb * 16);
+                    const int rows1 = block_rows(M - mb * 16 - 16);
                     for (int j = 0; j < 4; j += 2) {
                         amx_pair(xb, xb + K * 16, wg + j * 16 * ld, ld, K, c, pf, mb == 0 && j == 0 ? pf_lines : 0);
                         uint16_t *y0 = y + mb * 16 * ldy + n0 + 16 * j;
@@ -358,7 +366,7 @@ static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int
                 const int64_t lines = mb == 0 ? pf_lines : 0;
                 if (nb == 4) amx_group_4(xb, wg, ld, K, c, pf, lines);
                 else amx_group_1(xb, wg, ld, K, c, pf, lines);
-                const int rows_m = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
+                const int rows_m = block_rows(M - mb * 16);
                 for (int j = 0; j < nb; j++) store_tile(c + j * 256, rows_m, y + mb * 16 * ldy + n0 + 16 * j, ldy);
             }
         }
@@ -451,7 +459,7 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
             float *row = sc + g * (S + 16);
             __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(mx[g]);
             for (int64_t p = 0; p < S; p += 16) {
-                __mmask16 mask = S - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - p)) - 1u);
+                __mmask16 mask = first_lanes(S - p);
                 __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + p), m));
                 e = _mm512_maskz_mov_ps(mask, e);
                 _mm512_mask_storeu_ps(row + p, mask, e);
@@ -558,12 +566,12 @@ static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, u
         const int64_t n = r < rows ? seen[r] : 0;
         __m512 mx = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+            const __mmask16 m = first_lanes(n - j);
             mx = _mm512_mask_max_ps(mx, m, mx, _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(scale)));
         }
         const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         for (int64_t j = 0; j < keys32; j += 16) {
-            const __mmask16 m = j >= n ? 0 : n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+            const __mmask16 m = first_lanes(n - j);
             const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(
                 _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_set1_ps(scale)), mv)));
             sum = _mm512_add_ps(sum, e);
@@ -610,7 +618,7 @@ void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, i
         for (int64_t h = 0; h < H; h++) {
             pack_head(kv, slot_stride, slots, S, h / G, KV, D, &w);
             for (int64_t i0 = 0; i0 < n; i0 += 16) {
-                const int64_t rows = n - i0 < 16 ? n - i0 : 16;
+                const int64_t rows = block_rows(n - i0);
                 int64_t seen[16];
                 uint16_t *dst[16];
                 memset(qb, 0, sizeof qb);
@@ -721,7 +729,7 @@ void kvf_silu_mul(const uint16_t *gate_up, int64_t ldg, uint16_t *out, int64_t l
         const uint16_t *g = gate_up + t * ldg, *u = g + F;
         uint16_t *o = out + t * ldo;
         for (int64_t j = 0; j < F; j += 16) {
-            const __mmask16 mask = F - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - j)) - 1u);
+            const __mmask16 mask = first_lanes(F - j);
             const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, g + j)), 16));
             const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(
