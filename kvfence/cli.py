@@ -10,8 +10,7 @@ import sys
 import time
 
 from kvfence.config import POOL_CONTEXTS, default_pool_tokens
-from kvfence.tools.audit import count as non_negative_int
-from kvfence.tools.audit import positive_int
+from kvfence.tools.audit import non_negative_int, positive_int
 
 DTYPES = ("bfloat16", "float32")
 TRANSFERS = ("shm", "tcp", "mooncake", "nixl")

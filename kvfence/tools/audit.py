@@ -333,7 +333,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def count(text: str) -> int:
+def non_negative_int(text: str) -> int:
     """argparse type: an integer of at least 0."""
     value = int(text)
     if value < 0:
@@ -361,13 +361,13 @@ def add_audit_parser(sub) -> None:
     plan.add_argument("--model", default="smollm2-135m", help="as for kvfence serve; only its metadata is read")
     plan.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16", help="KV cache precision")
     plan.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
-    plan.add_argument("--prefill", type=count, metavar="N", default=1, help="prefill workers")
-    plan.add_argument("--decode", type=count, metavar="N", default=1, help="decode workers")
+    plan.add_argument("--prefill", type=non_negative_int, metavar="N", default=1, help="prefill workers")
+    plan.add_argument("--decode", type=non_negative_int, metavar="N", default=1, help="decode workers")
     pool = p.add_argument_group("pools (without --url): tokens or memory per node; a role's own flag wins")
-    pool.add_argument("--kv-pool-tokens", type=count, metavar="N",
+    pool.add_argument("--kv-pool-tokens", type=non_negative_int, metavar="N",
                       help=f"every node's pool in tokens (default: {POOL_CONTEXTS} x max context)")
-    pool.add_argument("--prefill-pool-tokens", type=count, metavar="N")
-    pool.add_argument("--decode-pool-tokens", type=count, metavar="N")
+    pool.add_argument("--prefill-pool-tokens", type=non_negative_int, metavar="N")
+    pool.add_argument("--decode-pool-tokens", type=non_negative_int, metavar="N")
     pool.add_argument("--pool-memory", type=parse_bytes, metavar="SIZE",
                       help="every node's pool region in bytes, e.g. 512MiB, 2GiB (K/V plus page tags)")
     pool.add_argument("--prefill-pool-memory", type=parse_bytes, metavar="SIZE")

@@ -69,9 +69,9 @@ class WorkerBase:
 
     def set_threads(self, other_role_idle: bool) -> None:
         """With ``solo_threads``, the worker computes on that many threads while the other role idles, else on its
-        own count: the C kernels always, torch's ops (prefill attention, sampling) where the C kernels carry the
-        model (else torch's matmuls, calibrated per thread count, would recalibrate). Both give the same bits on
-        any count (tested), so this only moves speed."""
+        own count: the C kernels always, torch's ops (sampling, SDPA where no C attention fits) where the C kernels
+        carry the model (else torch's matmuls, calibrated per thread count, would recalibrate). Both give the same
+        bits on any count (tested), so this only moves speed."""
         if not self.settings.solo_threads:
             return
         n = self.settings.solo_threads if other_role_idle else self.base_threads
