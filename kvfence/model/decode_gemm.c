@@ -223,11 +223,11 @@ static inline void amx_pair(const uint16_t *xp0, const uint16_t *xp1, const uint
  * Rows of K weights in blocks of 32, each block's fields gathered by row (``blocks.py``). Q4_1 row: nb = K / 32
  * fp16 scales d, nb fp16 minimums m, then nb x 16 bytes whose low nibbles are a block's weights 0-15 and high
  * nibbles 16-31. Q8_0 row: nb fp16 scales, then nb x 32 int8. A weight becomes bf16(fp32(d q) + m) (Q8_0: bf16(d q)),
- * rounded to nearest even: what gguf's dequantize then a cast to bf16 give, bit for bit (-ffp-contract=off keeps
- * the multiply and the add rounding apart, as numpy's do). So a model that keeps its blocks computes exactly what
+ * rounded to nearest even: what gguf's dequantize then a cast to bf16 give, bit for bit. (An fp16 d times a 4-bit
+ * q is exact in fp32, so one fused multiply-add rounds d q + m just as numpy's multiply then add do.) So a model that keeps its blocks computes exactly what
  * the one dequantized at load computes, and reads 3.2x (Q4_1) or 1.9x (Q8_0) fewer weight bytes.
  *
- * A Q4_1 block has only 16 distinct values: they are computed once (one vector multiply and add) and the 32
+ * A Q4_1 block has only 16 distinct values: they are computed once (one vector multiply-add) and the 32
  * nibbles pick from them (vpermw), about 2x cheaper than converting every weight. Blocks go in pairs (their
  * nibbles interleaved at load, blocks.py): one conversion makes both tables and one widening both index sets.
  */
@@ -253,8 +253,8 @@ static void expand_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
         const __m512i low = _mm512_set1_epi16(0x0f), second_half = _mm512_set1_epi16(0x10);
         int64_t b = 0;
         for (; b + 1 < nb; b += 2) { /* a pair: one table of 32 (b + 1's values, then b's), one widening */
-            const __m512 va = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d[b]), iota), _mm512_set1_ps(m[b]));
-            const __m512 vb = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d[b + 1]), iota), _mm512_set1_ps(m[b + 1]));
+            const __m512 va = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), iota, _mm512_set1_ps(m[b]));
+            const __m512 vb = _mm512_fmadd_ps(_mm512_set1_ps(d[b + 1]), iota, _mm512_set1_ps(m[b + 1]));
             const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(va, vb);
             const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 16 * b)));
             const __m512i ia = _mm512_ternarylogic_epi32(q, low, second_half, 0xea); /* (q & 0x0f) | 0x10 */
@@ -262,7 +262,7 @@ static void expand_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
             _mm512_storeu_si512(out + 32 * (b + 1), _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), lut));
         }
         if (b < nb) { /* an odd last block, in the GGUF's order */
-            const __m512 values = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d[b]), iota), _mm512_set1_ps(m[b]));
+            const __m512 values = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), iota, _mm512_set1_ps(m[b]));
             const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
             const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
             const __m128i nibble = _mm_set1_epi8(0x0f);
