@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,6 +43,11 @@ def set_threads(n: int) -> None:
 
 def _nthreads() -> int:
     return _threads or torch.get_num_threads()
+
+
+def threads() -> int:
+    """The thread count the C kernels run on now."""
+    return _nthreads()
 
 
 def _cpu_has(*features: str) -> bool:
@@ -102,10 +108,38 @@ def available() -> bool:
     return _library() is not None
 
 
+def library() -> ctypes.CDLL:
+    """The C library itself, for callers that check their layouts once and then call its entry points many
+    times with raw pointers (``Model``'s C forward): the checked wrappers here show each entry point's contract."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the C kernels are not available here")
+    return lib
+
+
 def blocks_supported() -> bool:
     """Whether ``gemm`` takes ``BlockWeight``s here (it needs AMX tiles)."""
     lib = _library()
     return lib is not None and lib.amx
+
+
+GemmEntry = tuple[Callable[..., None], int, int]
+
+
+def gemm_entry(w: torch.Tensor | BlockWeight, amx: bool | None = None) -> GemmEntry:
+    """``(fn, w_ptr, arg)`` such that ``fn(x_ptr, ldx, w_ptr, arg, y_ptr, ldy, M, N, K, threads)`` computes
+    ``gemm(x, w)`` into y (bf16 rows of unit column stride, y's rows of stride ldy); w is checked here, once.
+    ``w`` must outlive the entry."""
+    lib = _library()
+    N, K = w.shape
+    if isinstance(w, BlockWeight):
+        if not lib.amx or N % 16:
+            raise ValueError("block weights need AMX and N % 16 == 0")
+        return lib.kvf_gemm_amx_blocks, w.data_ptr(), _FORMAT_IDS[w.fmt]
+    if w.dtype != torch.bfloat16 or not w.is_contiguous():
+        raise ValueError("decode gemm: w must be contiguous bfloat16")
+    fn = lib.kvf_gemm_amx if (lib.amx if amx is None else amx) and K % 32 == 0 and N % 16 == 0 else lib.kvf_gemm_bf16
+    return fn, w.data_ptr(), K
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor | BlockWeight, amx: bool | None = None) -> torch.Tensor:
@@ -116,20 +150,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor | BlockWeight, amx: bool | None = None
     if x.dtype != torch.bfloat16 or x.stride(1) != 1 or w.shape[1] != K:
         raise ValueError(f"decode gemm: bf16 x with unit column stride needed, got {x.dtype} {tuple(x.shape)} "
                          f"x {tuple(w.shape)}")
+    fn, w_ptr, arg = gemm_entry(w, amx)
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    lib = _library()
-    if isinstance(w, BlockWeight):
-        if not lib.amx or N % 16:
-            raise ValueError("block weights need AMX and N % 16 == 0")
-        lib.kvf_gemm_amx_blocks(x.data_ptr(), x.stride(0), w.data_ptr(), _FORMAT_IDS[w.fmt], out.data_ptr(),
-                                out.stride(0), M, N, K, _nthreads())
-        return out
-    if w.dtype != torch.bfloat16 or not w.is_contiguous():
-        raise ValueError("decode gemm: w must be contiguous bfloat16")
-    fn = lib.kvf_gemm_amx if (lib.amx if amx is None else amx) and K % 32 == 0 and N % 16 == 0 else lib.kvf_gemm_bf16
-    fn(
-        x.data_ptr(), x.stride(0), w.data_ptr(), K, out.data_ptr(), out.stride(0), M, N, K, _nthreads()
-    )
+    fn(x.data_ptr(), x.stride(0), w_ptr, arg, out.data_ptr(), out.stride(0), M, N, K, _nthreads())
     return out
 
 

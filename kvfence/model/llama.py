@@ -13,12 +13,13 @@ which the tests check bit for bit.
 Nothing a row computes depends on its neighbours or its position in the batch, so the forward is free to reorder
 chunks (decode groups first) and restores the caller's order in the logits.
 
-Fast path (bf16 on CPU, when ``kernels.py`` builds its C library): every matmul row (prefill and decode) runs on
-AMX tiles (GGUF blocks expanded to bf16 inside the kernel), decode attention reads K/V straight from the pool, and
-residual add + RMSNorm, rotary + K/V write and silu(gate) * up are one call each. Each of these computes a row (or
-a sequence and head) with the same instructions whatever else is in the call or how many threads run it, so they
-are batch-invariant by construction and need no calibration; prefill attention stays one SDPA call per chunk. See
-docs/performance.md.
+Fast path (bf16 on CPU, when ``kernels.py`` builds its C library; ``_forward_c``): every matmul row (prefill and
+decode) runs on AMX tiles (GGUF blocks expanded to bf16 inside the kernel), attention reads K/V straight from the
+pool (decode rows in one call, each prefill chunk on tiles), and residual add + RMSNorm, rotary + K/V write and
+silu(gate) * up are one call each. Each of these computes a row (or a sequence and head) with the same
+instructions whatever else is in the call or how many threads run it, so they are batch-invariant by construction
+and need no calibration. A step allocates its buffers once and calls the C entry points straight, about ten per
+layer. See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ class Model:
                              and kernels.prefill_attention_fits(config.num_heads, config.num_kv_heads, config.head_dim))
         if not self.c_gemm:
             self.calibrate()
+        # per layer (qkv, o, gate_up, down): the C matmul entry of each weight, checked once (``_forward_c``)
+        self._gemm_entries = [tuple(kernels.gemm_entry(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                              for layer in layers] if self.decode_attn else []
 
     @classmethod
     def from_state_dict(
@@ -198,24 +202,15 @@ class Model:
             self.calibrate()
         with torch.inference_mode():
             b = self._batch(chunks, pool)
-            x = self._embed(b.tokens)  # [T, hidden], a new tensor: updated in place below
-            if self.decode_attn:  # the C row kernels fuse each residual add with the norm after it
-                eps, layers = self.config.rms_norm_eps, self.layers
-                h = kernels.add_rms_norm(x, None, layers[0].attn_norm, eps)
-                for i, layer in enumerate(layers):
-                    h = kernels.add_rms_norm(x, self._attention(layer, h, b, b.kv_layers[i]), layer.mlp_norm, eps)
-                    y = self._mlp(layer, h)
-                    if i + 1 < len(layers):
-                        h = kernels.add_rms_norm(x, y, layers[i + 1].attn_norm, eps)
-                    else:
-                        x += y
-                h = kernels.add_rms_norm(x if all_logits else x[b.last_rows], None, self.norm, eps)
+            if self.decode_attn:
+                logits = self._forward_c(b, all_logits)
             else:
+                x = self._embed(b.tokens)  # [T, hidden], a new tensor: updated in place below
                 for i, layer in enumerate(self.layers):
                     x += self._attention(layer, self._rms_norm(x, layer.attn_norm), b, b.kv_layers[i])
                     x += self._mlp(layer, self._rms_norm(x, layer.mlp_norm))
                 h = self._rms_norm(x if all_logits else x[b.last_rows], self.norm)  # [T or B, hidden]
-            logits = self._linear(h, self.lm_head, blocks=self._head_blocks)  # [T or B, vocab]
+                logits = self._linear(h, self.lm_head, blocks=self._head_blocks)  # [T or B, vocab]
             order = b.token_order if all_logits else b.chunk_order
             return (logits if order is None else logits[order]).float()
 
@@ -228,34 +223,78 @@ class Model:
         qk = qkv[:, : H + KV]  # [T, H + KV, D], a view of qkv
         if layer.qk_norm is not None:
             qkv[:, : H + KV] = self._rms_norm(qk, layer.qk_norm)
-        if self.decode_attn:
-            kernels.rope_write(qkv, b.cos[:, 0], b.sin[:, 0], slots, b.write_slots)  # the same, in one call
-        else:
-            rot = qk.roll(D // 2, dims=-1).mul_(b.sin)  # rotary, HF rotate_half convention, in place in qkv
-            qk.mul_(b.cos).add_(rot)
-            slots.index_copy_(0, b.write_slots, qkv[:, H:].view(T, 2, KV, D))  # new tokens' K/V into their slots
+        rot = qk.roll(D // 2, dims=-1).mul_(b.sin)  # rotary, HF rotate_half convention, in place in qkv
+        qk.mul_(b.cos).add_(rot)
+        slots.index_copy_(0, b.write_slots, qkv[:, H:].view(T, 2, KV, D))  # new tokens' K/V into their slots
         q = qkv[:, :H]  # [T, H, D]
-        d = b.decode_rows if self.decode_attn else 0  # decode rows the C kernel serves from the pool directly
-        if d == T:
-            out = kernels.decode_attention(q, slots, b.read_slots, b.decode_starts, x.new_empty(T, H * D))
-            return self._linear(out, layer.o)  # [T, hidden]
-        k_from = b.decode_kv if d else 0
-        if not self.prefill_attn:  # else the kernels read every sequence from the pool themselves
-            kv = slots.index_select(0, b.read_slots[k_from:])  # [S_total, 2, KV, D], sequences they do not read
+        kv = slots.index_select(0, b.read_slots)  # [S_total, 2, KV, D]
         if len(b.attn) == 1 and b.attn[0].group:  # all decode, one length: the output is the attention result
-            out = self._decode_attention(q, kv, b.attn[0])  # [T, H D]
-        else:
-            out = x.new_empty(T, H * D)
-            if d:
-                kernels.decode_attention(q[:d], slots, b.read_slots[: b.decode_kv], b.decode_starts, out[:d])
-            for a in b.attn:
-                if not a.group and self.prefill_attn:
-                    kernels.prefill_attention(q[a.q0 : a.q1], slots, b.read_slots[a.k0 : a.k1], out[a.q0 : a.q1])
-                elif not a.group:
-                    out[a.q0 : a.q1] = self._chunk_attention(q[a.q0 : a.q1], kv[a.k0 - k_from : a.k1 - k_from], a)
-                elif not d:
-                    out[a.q0 : a.q1] = self._decode_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a)
+            return self._linear(self._decode_attention(q, kv, b.attn[0]), layer.o)  # [T, hidden]
+        out = x.new_empty(T, H * D)
+        for a in b.attn:
+            if a.group:
+                out[a.q0 : a.q1] = self._decode_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a)
+            else:
+                out[a.q0 : a.q1] = self._chunk_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a)
         return self._linear(out, layer.o)  # [T, hidden]
+
+    def _forward_c(self, b: _Batch, all_logits: bool) -> torch.Tensor:
+        """The forward on the C kernels: per layer a fixed sequence of calls into ``kernels.library()`` on buffers
+        allocated once per step, whose layouts hold by construction (bf16, rows of unit stride), so the checks of
+        the wrappers in ``kernels.py`` run once per step instead of ~10 times per layer. The same calls in the
+        same order as those wrappers make, so the same bits. Returns ``[T or B, vocab]`` logits, processing order.
+        """
+        cfg, lib, th = self.config, kernels.library(), kernels.threads()
+        H, KV, D, hidden, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.rms_norm_eps
+        T, d, width = len(b.tokens), b.decode_rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        F2 = self.layers[0].gate_up.shape[0]
+        x = self._embed(b.tokens)  # [T, hidden], a new tensor: the residual stream, updated in place
+        h, proj = x.new_empty(T, hidden), x.new_empty(T, hidden)  # normed input of a projection; its output
+        qkv, attn = x.new_empty(T, width), x.new_empty(T, H * D)
+        gate_up, act = x.new_empty(T, F2), x.new_empty(T, F2 // 2)
+        xp, hp, pp, qp, ap, gp, actp = (t.data_ptr() for t in (x, h, proj, qkv, attn, gate_up, act))
+        cos, sin, write, read = b.cos.data_ptr(), b.sin.data_ptr(), b.write_slots.data_ptr(), b.read_slots.data_ptr()
+        starts, scale = b.decode_starts.data_ptr(), D**-0.5
+        chunks = [a for a in b.attn if not a.group]  # prefill chunks; decode rows [0, d) take one call
+        lib.kvf_add_rms_norm(xp, hidden, None, 0, self.layers[0].attn_norm.data_ptr(), hp, hidden, T, hidden, eps, th)
+        for i, (layer, entries) in enumerate(zip(self.layers, self._gemm_entries, strict=True)):
+            (qkv_fn, qkv_w, qkv_arg), (o_fn, o_w, o_arg), (gu_fn, gu_w, gu_arg), (dn_fn, dn_w, dn_arg) = entries
+            kv = b.kv_layers[i]  # [num_slots, 2, KV, D], a view of the pool
+            kvp, slot_stride = kv.data_ptr(), kv.stride(0)
+            qkv_fn(hp, hidden, qkv_w, qkv_arg, qp, width, T, width, hidden, th)
+            if layer.qkv_bias is not None or layer.qk_norm is not None:
+                self._qkv_extras(layer, qkv.view(T, -1, D))
+            lib.kvf_rope_write(qp, width, H, KV, D, cos, sin, T, kvp, slot_stride, write, th)
+            if d:
+                lib.kvf_decode_attention(qp, width, kvp, slot_stride, read, starts, d, H, KV, D, scale, ap, H * D, th)
+            for a in chunks:
+                if self.prefill_attn:
+                    lib.kvf_prefill_attention(qp + a.q0 * width * 2, width, kvp, slot_stride, read + a.k0 * 8,
+                                              a.q1 - a.q0, a.k1 - a.k0, H, KV, D, scale, ap + a.q0 * H * D * 2,
+                                              H * D, th)
+                else:
+                    q = qkv[a.q0 : a.q1].view(-1, width // D, D)[:, :H]
+                    attn[a.q0 : a.q1] = self._chunk_attention(q, kv.index_select(0, b.read_slots[a.k0 : a.k1]), a)
+            o_fn(ap, H * D, o_w, o_arg, pp, hidden, T, hidden, H * D, th)
+            lib.kvf_add_rms_norm(xp, hidden, pp, hidden, layer.mlp_norm.data_ptr(), hp, hidden, T, hidden, eps, th)
+            gu_fn(hp, hidden, gu_w, gu_arg, gp, F2, T, F2, hidden, th)
+            lib.kvf_silu_mul(gp, F2, actp, F2 // 2, T, F2 // 2, th)
+            dn_fn(actp, F2 // 2, dn_w, dn_arg, pp, hidden, T, hidden, F2 // 2, th)
+            if i + 1 < len(self.layers):
+                lib.kvf_add_rms_norm(xp, hidden, pp, hidden, self.layers[i + 1].attn_norm.data_ptr(), hp, hidden, T,
+                                     hidden, eps, th)
+            else:
+                x += proj
+        h = kernels.add_rms_norm(x if all_logits else x[b.last_rows], None, self.norm, eps)  # [T or B, hidden]
+        return kernels.gemm(h, self.lm_head)  # [T or B, vocab]
+
+    def _qkv_extras(self, layer: Layer, qkv: torch.Tensor) -> None:
+        """qwen2's q/k/v bias and qwen3's per-head q/k norm, in place on qkv ``[T, H + 2 KV, D]``."""
+        if layer.qkv_bias is not None:
+            qkv += layer.qkv_bias.view(qkv.shape[1:])
+        if layer.qk_norm is not None:
+            heads = self.config.num_heads + self.config.num_kv_heads
+            qkv[:, :heads] = self._rms_norm(qkv[:, :heads], layer.qk_norm)
 
     def _decode_attention(self, q: torch.Tensor, kv: torch.Tensor, a: _Attn) -> torch.Tensor:
         """``group`` sequences, one query each, all ``S`` long, in one call -> ``[group, H D]``. The G = H / KV query
@@ -289,11 +328,8 @@ class Model:
         return self.embed[tokens]
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self._linear(x, layer.gate_up)  # [T, 2 F]
-        if self.decode_attn:  # the C row kernels: one pass, rounded as the torch ops below round
-            return self._linear(kernels.silu_mul(gate_up), layer.down)  # [T, hidden]
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
-        return self._linear(F.silu(gate).mul_(up), layer.down)
+        gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, F] each
+        return self._linear(F.silu(gate).mul_(up), layer.down)  # [T, hidden]
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """HF LlamaRMSNorm: normalize in float32, round to the model dtype, then scale (same ops, bit for bit)."""
