@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing as mp
+import os
 import signal
 import socket
 import sys
@@ -40,10 +41,17 @@ def run_worker(settings: WorkerSettings, supervised: bool = True) -> None:
 
 
 def _die_with_parent() -> None:
+    """SIGTERM this process when its parent dies, and exit now if the parent already has: a worker spawned
+    just before its supervisor died (say a restart racing a SIGTERM) only gets here after its interpreter
+    started, and the kernel signals deaths that come after the request only."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        log.warning("supervisor %d is gone; exiting", parent.pid)
+        sys.exit(0)
 
 
 class Supervisor:
