@@ -223,9 +223,10 @@ static inline void amx_pair(const uint16_t *xp0, const uint16_t *xp1, const uint
  * Rows of K weights in blocks of 32, each block's fields gathered by row (``blocks.py``). Q4_1 row: nb = K / 32
  * fp16 scales d, nb fp16 minimums m, then nb x 16 bytes whose low nibbles are a block's weights 0-15 and high
  * nibbles 16-31. Q8_0 row: nb fp16 scales, then nb x 32 int8. A weight becomes bf16(fp32(d q) + m) (Q8_0: bf16(d q)),
- * rounded to nearest even: what gguf's dequantize then a cast to bf16 give, bit for bit. (An fp16 d times a 4-bit
- * q is exact in fp32, so one fused multiply-add rounds d q + m just as numpy's multiply then add do.) So a model that keeps its blocks computes exactly what
- * the one dequantized at load computes, and reads 3.2x (Q4_1) or 1.9x (Q8_0) fewer weight bytes.
+ * rounded to nearest even: what gguf's dequantize then a cast to bf16 give, bit for bit (an fp16 d times a 4-bit
+ * q is exact in fp32, so one fused multiply-add rounds d q + m as numpy's multiply then add do). So a model that
+ * keeps its blocks computes exactly what the one dequantized at load computes, and reads 3.2x (Q4_1) or 1.9x
+ * (Q8_0) fewer weight bytes.
  *
  * A Q4_1 block has only 16 distinct values: they are computed once (one vector multiply-add) and the 32
  * nibbles pick from them (vpermw), about 2x cheaper than converting every weight. Blocks go in pairs (their
