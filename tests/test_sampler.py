@@ -3,7 +3,7 @@
 import torch
 
 from kvfence.core import SamplingParams
-from kvfence.engine.sampler import NUCLEUS_FIRST_TRY, make_generator, sample
+from kvfence.engine.sampler import NUCLEUS_FIRST_TRY, greedy, make_generator, sample
 
 
 def params(**kw) -> SamplingParams:
@@ -19,6 +19,16 @@ def nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> set[int]:
     values, order = torch.sort(probs, descending=True)
     keep = values.cumsum(0) - values < top_p
     return set(order[keep].tolist())
+
+
+def test_greedy_takes_each_rows_first_maximum_as_torch_argmax_does():
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(3))
+    logits[1, [7, 9000, 40000]] = 50.0  # ties: the first one wins
+    logits[2, [11, 30]] = float("nan")  # NaN counts as maximal
+    logits[3] = float("-inf")
+    got = greedy(logits)
+    assert got[1] == 7 and got[2] == 11 and got[3] == 0
+    assert got == logits.argmax(dim=-1).tolist()
 
 
 def test_temperature_sampling_follows_the_softmax():

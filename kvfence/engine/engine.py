@@ -166,7 +166,8 @@ class Engine:
         if not due:
             return []
         seqs = [work[i].seq for i in due]
-        tokens = sample(logits[due], [s.req.params for s in seqs], [s.generator for s in seqs])
+        rows = logits if len(due) == len(work) else logits[due]  # [len(due), vocab]; no copy when all sample
+        tokens = sample(rows, [s.req.params for s in seqs], [s.generator for s in seqs])
         outputs = (self._on_token(seq, token) for seq, token in zip(seqs, tokens, strict=True))
         return [out for out in outputs if out is not None]
 
