@@ -160,7 +160,8 @@ class RemoteEngine:
                     self._handle(envelopes)
                     continue
                 try:
-                    await asyncio.wait_for(wake.wait(), POLL_S)
+                    async with asyncio.timeout(POLL_S):  # no task per wait, unlike wait_for on 3.11
+                        await wake.wait()
                 except TimeoutError:
                     pass
         finally:
