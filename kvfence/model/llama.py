@@ -125,7 +125,8 @@ class Model:
                              and kernels.prefill_attention_fits(config.num_heads, config.num_kv_heads, config.head_dim))
         if not self.c_gemm:
             self.calibrate()
-        # per layer (qkv, o, gate_up, down): the C matmul entry of each weight, checked once (``_forward_c``)
+        # per layer (qkv, o, gate_up, down): the C matmul entry of each weight, checked once (``_forward_c``); they
+        # hold raw pointers, so a layer's weights are never replaced after construction
         self._gemm_entries = [tuple(kernels.gemm_entry(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
                               for layer in layers] if self.decode_attn else []
 
