@@ -41,13 +41,9 @@ def set_threads(n: int) -> None:
     _threads = n
 
 
-def _nthreads() -> int:
-    return _threads or torch.get_num_threads()
-
-
 def threads() -> int:
     """The thread count the C kernels run on now."""
-    return _nthreads()
+    return _threads or torch.get_num_threads()
 
 
 def _cpu_has(*features: str) -> bool:
@@ -152,7 +148,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor | BlockWeight, amx: bool | None = None
                          f"x {tuple(w.shape)}")
     fn, w_ptr, arg = gemm_entry(w, amx)
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    fn(x.data_ptr(), x.stride(0), w_ptr, arg, out.data_ptr(), out.stride(0), M, N, K, _nthreads())
+    fn(x.data_ptr(), x.stride(0), w_ptr, arg, out.data_ptr(), out.stride(0), M, N, K, threads())
     return out
 
 
@@ -192,7 +188,7 @@ def decode_attention(
         raise ValueError("decode attention: slots and starts must be contiguous int64")
     _library().kvf_decode_attention(
         q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), slots.data_ptr(), starts.data_ptr(), n, H, KV, D,
-        D**-0.5, out.data_ptr(), out.stride(0), _nthreads(),
+        D**-0.5, out.data_ptr(), out.stride(0), threads(),
     )
     return out
 
@@ -218,7 +214,7 @@ def prefill_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, ou
         raise ValueError("prefill attention: slots must be contiguous int64, at least one per query")
     _library().kvf_prefill_attention(
         q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), slots.data_ptr(), n, S, H, KV, D, D**-0.5,
-        out.data_ptr(), out.stride(0), _nthreads(),
+        out.data_ptr(), out.stride(0), threads(),
     )
     return out
 
@@ -234,7 +230,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: 
     h = torch.empty(T, N, dtype=torch.bfloat16)
     _library().kvf_add_rms_norm(
         x.data_ptr(), x.stride(0), None if y is None else y.data_ptr(), 0 if y is None else y.stride(0),
-        w.data_ptr(), h.data_ptr(), N, T, N, eps, _nthreads(),
+        w.data_ptr(), h.data_ptr(), N, T, N, eps, threads(),
     )
     return h
 
@@ -255,7 +251,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torc
         raise ValueError("rope_write: tables and slots must be contiguous")
     _library().kvf_rope_write(
         qkv.data_ptr(), qkv.stride(0), heads - 2 * KV, KV, D, cos.data_ptr(), sin.data_ptr(), T, kv.data_ptr(),
-        kv.stride(0), slots.data_ptr(), _nthreads(),
+        kv.stride(0), slots.data_ptr(), threads(),
     )
 
 
@@ -267,5 +263,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError("silu_mul: bfloat16 [T, 2 F] with unit column stride needed")
     out = torch.empty(T, F2 // 2, dtype=torch.bfloat16)
     _library().kvf_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), T, F2 // 2,
-                            _nthreads())
+                            threads())
     return out
