@@ -180,15 +180,13 @@ class Model:
             time.perf_counter() - t0,
         )
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, blocks=None) -> torch.Tensor:
-        """``x [T, K] @ w.T`` (+ bias) -> ``[T, N]``; no row depends on the others. The C kernel computes each row
-        alone by construction (and beats the calibrated torch blocks at prefill sizes: 204 rows 2.2x on one
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, blocks=None) -> torch.Tensor:
+        """``x [T, K] @ w.T`` -> ``[T, N]``, a new tensor; no row depends on the others. The C kernel computes each
+        row alone by construction (and beats the calibrated torch blocks at prefill sizes: 204 rows 2.2x on one
         thread, 512 rows 1.3x); without it, calibrated row blocks."""
         if self.c_gemm:
-            y = kernels.gemm(x, w)
-        else:
-            y = invariant.matmul(x, w, blocks or self._blocks[tuple(w.shape)])
-        return y if bias is None else y + bias
+            return kernels.gemm(x, w)
+        return invariant.matmul(x, w, blocks or self._blocks[tuple(w.shape)])
 
     # -- forward ----------------------------------------------------------------------------------------------
 
@@ -220,10 +218,9 @@ class Model:
     def _attention(self, layer: Layer, x: torch.Tensor, b: _Batch, slots: torch.Tensor) -> torch.Tensor:
         cfg, T = self.config, x.shape[0]
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self._linear(x, layer.qkv, layer.qkv_bias).view(T, H + 2 * KV, D)  # [T, H + 2 KV, D]
+        qkv = self._linear(x, layer.qkv).view(T, H + 2 * KV, D)  # [T, H + 2 KV, D]
+        self._qkv_extras(layer, qkv)
         qk = qkv[:, : H + KV]  # [T, H + KV, D], a view of qkv
-        if layer.qk_norm is not None:
-            qkv[:, : H + KV] = self._rms_norm(qk, layer.qk_norm)
         rot = qk.roll(D // 2, dims=-1).mul_(b.sin)  # rotary, HF rotate_half convention, in place in qkv
         qk.mul_(b.cos).add_(rot)
         slots.index_copy_(0, b.write_slots, qkv[:, H:].view(T, 2, KV, D))  # new tokens' K/V into their slots
