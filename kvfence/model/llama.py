@@ -295,16 +295,18 @@ class Model:
             qkv[:, :heads] = self._rms_norm(qkv[:, :heads], layer.qk_norm)
 
     def _decode_attention(self, q: torch.Tensor, kv: torch.Tensor, a: _Attn) -> torch.Tensor:
-        """``group`` sequences, one query each, all ``S`` long, in one call -> ``[group, H D]``. The G = H / KV query
-        heads that share a K/V head are that call's G queries (no causal mask: all sit at the last position)."""
+        """``group`` sequences, one query each, all ``S`` long -> ``[group, H D]``: one SDPA call per sequence, whose
+        G = H / KV query heads sharing a K/V head are that call's G queries (no causal mask: all sit at the last
+        position). One call per sequence because a call over several is not batch-invariant on every CPU (torch
+        2.13 on an AVX2 host: a sequence's row changed with the group size at every length in fp32, and at 1,024
+        positions x 32 sequences in bf16)."""
         cfg, n = self.config, a.group
         KV, D = cfg.num_kv_heads, cfg.head_dim
-        kv = kv.view(n, -1, 2, KV, D)  # [n, S, 2, KV, D]
-        out = F.scaled_dot_product_attention(
-            q.view(n, KV, -1, D),  # [n, KV, G, D]
-            kv[:, :, 0].transpose(1, 2),  # [n, KV, S, D]
-            kv[:, :, 1].transpose(1, 2),
-        )  # [n, KV, G, D]
+        q, kv = q.view(n, KV, -1, D), kv.view(n, -1, 2, KV, D)  # [n, KV, G, D], [n, S, 2, KV, D]
+        out = q.new_empty(q.shape)
+        for i in range(n):
+            k, v = kv[i : i + 1, :, 0].transpose(1, 2), kv[i : i + 1, :, 1].transpose(1, 2)  # [1, KV, S, D]
+            out[i] = F.scaled_dot_product_attention(q[i : i + 1], k, v)[0]
         return out.view(n, -1)
 
     def _chunk_attention(self, q: torch.Tensor, kv: torch.Tensor, a: _Attn) -> torch.Tensor:
