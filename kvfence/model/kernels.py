@@ -1,11 +1,15 @@
-"""The C row kernels (``decode_gemm.c``): built once per machine with the system C compiler, called via ctypes.
+"""The C row kernels: built once per machine with the system C compiler, called via ctypes.
 
 ``gemm(x, w)`` computes ``x @ w.T`` in bfloat16 with every row independent of the others by construction (see the
 C file), so it needs no calibration; the model runs every matmul row through it, prefill and decode, with bf16
 weights or GGUF blocks expanded on the fly (``BlockWeight``). Decode attention, add + RMSNorm, rotary + K/V write
-and the MLP's silu(gate) * up are row- or sequence-wise the same way. They are optional:
-``available()`` is False without a C compiler, on a CPU without AVX512-BF16, or with ``KVFENCE_DECODE_GEMM=0``; the
-model then uses ``invariant.matmul`` for every row. Either way a process uses one of the two throughout.
+and the MLP's silu(gate) * up are row- or sequence-wise the same way.
+
+Two sources, one set of entry points: ``decode_gemm.c`` for CPUs with AVX512-BF16 (and AMX tiles where present:
+block weights, prefill attention), ``decode_avx2.c`` for CPUs with only AVX2, FMA and F16C. Each is batch-invariant
+on its own terms; their bits differ. They are optional: ``available()`` is False without a C compiler, on a CPU
+without AVX2, or with ``KVFENCE_DECODE_GEMM=0``; the model then uses ``invariant.matmul`` for every row. Either way
+a process uses one of them throughout.
 """
 
 from __future__ import annotations
@@ -27,10 +31,14 @@ from kvfence.model.blocks import BlockWeight
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("decode_gemm.c")
 _threads = 0  # threads of the C kernels; 0: torch's count
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mamx-tile", "-mamx-bf16",
-          "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+# (source, CPU flags it needs, compiler flags), the first that fits this CPU
+_FLAVOURS = [
+    ("decode_gemm.c", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"),
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mamx-tile", "-mamx-bf16"]),
+    ("decode_avx2.c", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+]
 _FORMAT_IDS = {"Q4_1": 1, "Q8_0": 2}  # decode_gemm.c's FMT_*
 
 
@@ -56,47 +64,51 @@ def _cpu_has(*features: str) -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("KVFENCE_DECODE_GEMM", "1") == "0" or not _SOURCE.exists():
+    if os.environ.get("KVFENCE_DECODE_GEMM", "1") == "0":
         return None
-    if not _cpu_has("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"):
+    fits = [(name, flags) for name, needs, flags in _FLAVOURS if _cpu_has(*needs)]
+    if not fits:
         return None
+    source, flags = Path(__file__).with_name(fits[0][0]), [*fits[0][1], *_COMMON_FLAGS]
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         log.warning("no C compiler: decode matmuls fall back to torch (slower)")
         return None
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"kvfence-kernels-{os.getuid()}" / f"decode_gemm-{key}.so"
+    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    lib = Path(tempfile.gettempdir()) / f"kvfence-kernels-{os.getuid()}" / f"{source.stem}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         try:
-            subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+            subprocess.run([cc, *flags, str(source), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
-            log.warning("building %s failed (%s): decode matmuls fall back to torch (slower)", _SOURCE.name, e)
+            log.warning("building %s failed (%s): decode matmuls fall back to torch (slower)", source.name, e)
             return None
         os.replace(tmp, lib)  # atomic: concurrent builders each publish a complete file
     so = ctypes.CDLL(str(lib))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (so.kvf_gemm_bf16, so.kvf_gemm_amx):
-        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
-        fn.restype = None
-    so.kvf_gemm_amx_blocks.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
-    so.kvf_gemm_amx_blocks.restype = None
-    so.kvf_expand_rows.argtypes = [ptr, ctypes.c_int, ptr, i64, i64, ptr]
-    so.kvf_expand_rows.restype = None
+    so.kvf_gemm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
+    so.kvf_gemm_bf16.restype = None
+    so.amx = _cpu_has("amx_bf16", "amx_tile") and so.kvf_amx_init() == 1
+    if so.amx:  # the entry points on tiles
+        so.kvf_gemm_amx.argtypes = so.kvf_gemm_bf16.argtypes
+        so.kvf_gemm_amx.restype = None
+        so.kvf_gemm_amx_blocks.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
+        so.kvf_gemm_amx_blocks.restype = None
+        so.kvf_expand_rows.argtypes = [ptr, ctypes.c_int, ptr, i64, i64, ptr]
+        so.kvf_expand_rows.restype = None
+        so.kvf_prefill_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
+                                             i64, ctypes.c_int]
+        so.kvf_prefill_attention.restype = None
     so.kvf_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
                                         ctypes.c_int]
     so.kvf_decode_attention.restype = None
-    so.kvf_prefill_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
-                                         ctypes.c_int]
-    so.kvf_prefill_attention.restype = None
     so.kvf_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     so.kvf_add_rms_norm.restype = None
     so.kvf_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
     so.kvf_rope_write.restype = None
     so.kvf_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
     so.kvf_silu_mul.restype = None
-    so.amx = _cpu_has("amx_bf16", "amx_tile") and so.kvf_amx_init() == 1
     return so
 
 
