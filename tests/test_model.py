@@ -469,7 +469,7 @@ def test_decode_kernels_give_the_same_bits_on_any_thread_count():
         assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
 
 
-needs_blocks = pytest.mark.skipif(not kernels.blocks_supported(), reason="block weights need the C kernels and AMX")
+needs_blocks = pytest.mark.skipif(not kernels.blocks_supported(), reason="block weights need the C kernels")
 
 
 @needs_blocks

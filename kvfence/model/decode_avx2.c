@@ -3,10 +3,11 @@
  * instead of 16 and no AMX, so its bits are its own: every kernel here is row- (or sequence-) independent by
  * construction on its own terms, which is what batch invariance needs on one machine.
  *
- * gemm: y[m, n] = sum_k x[m, k] w[n, k]. x is first widened to fp32 (a per-thread buffer, K rounded up to 8 with
- * zeros); then each output accumulates k in 8 lanes (k mod 8), ascending, one FMA per slice, then one fixed-order
- * lane sum (``sum8``) and a round to bf16 (nearest even). Which register block (4 x 3, 1 x 8 or 1 x 1) or thread
- * computes an element changes nothing of that sequence. Threads split N in blocks of 24 weight rows.
+ * gemm: y[m, n] = sum_k x[m, k] w[n, k], w bf16 or GGUF blocks (expanded exactly as decode_gemm.c expands them).
+ * x and each task's weight rows are first widened to fp32 (K rounded up to 8 with zeros); then each output
+ * accumulates k in 8 lanes (k mod 8), ascending, one FMA per slice, then one fixed-order lane sum (``sum8``) and
+ * a round to bf16 (nearest even). Which register block (4 x 3, 1 x 8 or 1 x 1) or thread computes an element
+ * changes nothing of that sequence. Threads split N in blocks of 24 weight rows.
  * Built by kernels.py with -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp.
  */
 #include <immintrin.h>
@@ -73,20 +74,15 @@ static inline float sum1(__m256 v) { /* the same order as one slot of sum8 */
 
 /* ---- gemm ---------------------------------------------------------------------------------------------------- */
 
-/* acc[i * NB + j] = x row i . w row j: xf rows of K8 fp32 (zero past K), w bf16 rows of K (stride ldw). */
+/* acc[i * NB + j] = x row i . w row j: rows of K8 fp32 (zero past K), x rows K8 apart, w rows K8 apart. */
 #define UNROLL _Pragma("GCC unroll 16")
 #define DOT(MB, NB)                                                                                              \
-    static inline void dot_##MB##x##NB(const float *xf, int64_t K8, const uint16_t *w, int64_t ldw, int64_t K, \
-                                       __m256 *out) {                                                            \
+    static inline void dot_##MB##x##NB(const float *xf, const float *wf, int64_t K8, __m256 *out) {             \
         __m256 acc[MB * NB];                                                                                     \
         UNROLL for (int i = 0; i < MB * NB; i++) acc[i] = _mm256_setzero_ps();                                   \
         for (int64_t k = 0; k < K8; k += 8) {                                                                    \
             __m256 wv[NB];                                                                                       \
-            if (k + 8 <= K) {                                                                                    \
-                UNROLL for (int j = 0; j < NB; j++) wv[j] = load8(w + j * ldw + k);                              \
-            } else {                                                                                             \
-                UNROLL for (int j = 0; j < NB; j++) wv[j] = load_tail(w + j * ldw + k, K - k);                   \
-            }                                                                                                    \
+            UNROLL for (int j = 0; j < NB; j++) wv[j] = _mm256_loadu_ps(wf + j * K8 + k);                        \
             UNROLL for (int i = 0; i < MB; i++) {                                                                \
                 const __m256 xv = _mm256_loadu_ps(xf + i * K8 + k);                                              \
                 UNROLL for (int j = 0; j < NB; j++) acc[i * NB + j] = _mm256_fmadd_ps(xv, wv[j], acc[i * NB + j]); \
@@ -106,40 +102,111 @@ static inline void store_n(__m256 r, int n, uint16_t *y) {
     memcpy(y, tmp, n * sizeof(uint16_t));
 }
 
-/* This thread's fp32 buffer of at least n values, kept between calls. */
-static float *f32_buffer(int64_t n) {
-    static __thread float *buf;
-    static __thread int64_t cap;
-    if (n > cap) {
-        free(buf);
-        cap = n + n / 2;
-        buf = aligned_alloc(64, (cap * sizeof(float) + 63) / 64 * 64);
+/* This thread's fp32 buffer ``slot`` (0: the caller's x, 1: a task's weight rows) of at least n values. */
+static float *f32_buffer(int slot, int64_t n) {
+    static __thread float *buf[2];
+    static __thread int64_t cap[2];
+    if (n > cap[slot]) {
+        free(buf[slot]);
+        cap[slot] = n + n / 2;
+        buf[slot] = aligned_alloc(64, (cap[slot] * sizeof(float) + 63) / 64 * 64);
     }
-    return buf;
+    return buf[slot];
+}
+
+/* GGUF weight blocks (blocks.py): rows of K / 32 blocks, a row's fields gathered (every fp16 d, for Q4_1 every
+ * fp16 m, then the values; Q4_1 values paired: byte j of a pair holds block a's weight j in its low nibble and
+ * block b's in its high one, an odd last block in the GGUF's order). */
+enum { FMT_BF16 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
+static const int64_t BLOCK_BYTES[] = {0, 20, 34};
+
+static inline __m256 round_finite(__m256 v) { /* to the nearest bf16 (even on ties) as to_bf16, v not NaN */
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+static inline __m256 nibbles(__m256i v, int high) { /* 8 4-bit values of 8 bytes (widened to 32 bits) */
+    return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
+}
+
+/* Weight row -> K fp32 at out, zero up to K8: bf16 widened, or blocks expanded to bf16(d q + m) (Q8_0: bf16(d q))
+ * and widened: what gguf's dequantize then a cast to bf16 give (d q is exact in fp32, so the FMA rounds as a
+ * multiply then an add do). So a model that keeps its blocks computes the bits of its dequantized bf16 copy. */
+static void widen_row(const uint8_t *row, int fmt, int64_t K, int64_t K8, float *out) {
+    if (fmt == FMT_BF16) {
+        const uint16_t *w = (const uint16_t *)row;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + k, load8(w + k));
+        for (; k < K8; k++) out[k] = k < K ? bf16_to_f32(w[k]) : 0.0f;
+        return;
+    }
+    const int64_t nb = K / 32;
+    const uint16_t *d = (const uint16_t *)row;
+    if (fmt == FMT_Q8_0) {
+        const int8_t *qs = (const int8_t *)(row + 2 * nb);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256 db = _mm256_set1_ps(_cvtsh_ss(d[b]));
+            for (int j = 0; j < 32; j += 8) {
+                const __m128i q = _mm_loadl_epi64((const __m128i *)(qs + 32 * b + j));
+                _mm256_storeu_ps(out + 32 * b + j, round_finite(_mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)))));
+            }
+        }
+        return;
+    }
+    const uint16_t *m = d + nb;
+    const uint8_t *qs = row + 4 * nb;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const __m256 da = _mm256_set1_ps(_cvtsh_ss(d[b])), ma = _mm256_set1_ps(_cvtsh_ss(m[b]));
+        const __m256 db = _mm256_set1_ps(_cvtsh_ss(d[b + 1])), mb = _mm256_set1_ps(_cvtsh_ss(m[b + 1]));
+        for (int j = 0; j < 32; j += 8) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 16 * b + j)));
+            _mm256_storeu_ps(out + 32 * b + j, round_finite(_mm256_fmadd_ps(da, nibbles(v, 0), ma)));
+            _mm256_storeu_ps(out + 32 * (b + 1) + j, round_finite(_mm256_fmadd_ps(db, nibbles(v, 1), mb)));
+        }
+    }
+    if (b < nb) { /* byte j: weight j (low nibble) and j + 16 (high) */
+        const __m256 db = _mm256_set1_ps(_cvtsh_ss(d[b])), mb = _mm256_set1_ps(_cvtsh_ss(m[b]));
+        for (int j = 0; j < 16; j += 8) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 16 * b + j)));
+            _mm256_storeu_ps(out + 32 * b + j, round_finite(_mm256_fmadd_ps(db, nibbles(v, 0), mb)));
+            _mm256_storeu_ps(out + 32 * b + 16 + j, round_finite(_mm256_fmadd_ps(db, nibbles(v, 1), mb)));
+        }
+    }
+}
+
+/* Rows ``rows[0 .. n)`` of a block matrix -> bf16 (the embedding's gather). */
+void kvf_expand_rows(const uint8_t *w, int fmt, const int64_t *rows, int64_t n, int64_t K, uint16_t *out) {
+    float *row = f32_buffer(0, K);
+    for (int64_t i = 0; i < n; i++) {
+        widen_row(w + rows[i] * (K / 32 * BLOCK_BYTES[fmt]), fmt, K, K, row);
+        for (int64_t k = 0; k < K; k += 8) store8(out + i * K + k, _mm256_loadu_ps(row + k));
+    }
 }
 
 #define NBLOCK 24 /* weight rows per task: 8 x 3 or 3 x 8 */
 
-void kvf_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *y, int64_t ldy,
-                   int64_t M, int64_t N, int64_t K, int nthreads) {
+/* w: N rows of format fmt, ``row_bytes`` apart. A task widens its NBLOCK weight rows to fp32 once, then every x
+ * row passes over them. */
+static void gemm(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, int64_t row_bytes, uint16_t *y,
+                 int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t K8 = (K + 7) / 8 * 8, nblocks = N / NBLOCK;
-    float *xf = f32_buffer(M * K8);
-    for (int64_t m = 0; m < M; m++) {
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(xf + m * K8 + k, load8(x + m * ldx + k));
-        for (; k < K8; k++) xf[m * K8 + k] = k < K ? bf16_to_f32(x[m * ldx + k]) : 0.0f;
-    }
+    float *xf = f32_buffer(0, M * K8);
+    for (int64_t m = 0; m < M; m++) widen_row((const uint8_t *)(x + m * ldx), FMT_BF16, K, K8, xf + m * K8);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nb = 0; nb <= nblocks; nb++) {
         const int64_t n0 = nb * NBLOCK, n1 = nb < nblocks ? n0 + NBLOCK : N;
+        float *wf = f32_buffer(1, NBLOCK * K8), r[16];
         __m256 acc[16];
-        float r[16];
-        int64_t m = 0;
+        for (int64_t n = n0; n < n1; n++) widen_row(w + n * row_bytes, fmt, K, K8, wf + (n - n0) * K8);
         for (int i = 12; i < 16; i++) acc[i] = _mm256_setzero_ps();
+        int64_t m = 0;
         if (n1 - n0 == NBLOCK)
             for (; m + 4 <= M; m += 4)
                 for (int64_t n = n0; n < n1; n += 3) {
-                    dot_4x3(xf + m * K8, K8, w + n * ldw, ldw, K, acc); /* acc[i * 3 + j]: row m + i, col n + j */
+                    dot_4x3(xf + m * K8, wf + (n - n0) * K8, K8, acc); /* acc[i * 3 + j]: row m + i, col n + j */
                     _mm256_storeu_ps(r, sum8(acc));
                     _mm256_storeu_ps(r + 8, sum8(acc + 8));
                     for (int i = 0; i < 12; i++) y[(m + i / 3) * ldy + n + i % 3] = f32_to_bf16(r[i]);
@@ -147,15 +214,26 @@ void kvf_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ld
         for (; m < M; m++) {
             int64_t n = n0;
             for (; n + 8 <= n1; n += 8) {
-                dot_1x8(xf + m * K8, K8, w + n * ldw, ldw, K, acc);
+                dot_1x8(xf + m * K8, wf + (n - n0) * K8, K8, acc);
                 store_n(sum8(acc), 8, y + m * ldy + n);
             }
             for (; n < n1; n++) {
-                dot_1x1(xf + m * K8, K8, w + n * ldw, ldw, K, acc);
+                dot_1x1(xf + m * K8, wf + (n - n0) * K8, K8, acc);
                 y[m * ldy + n] = f32_to_bf16(sum1(acc[0]));
             }
         }
     }
+}
+
+void kvf_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *y, int64_t ldy,
+                   int64_t M, int64_t N, int64_t K, int nthreads) {
+    gemm(x, ldx, (const uint8_t *)w, FMT_BF16, ldw * 2, y, ldy, M, N, K, nthreads);
+}
+
+/* The same product with w as N rows of K / 32 blocks of format fmt (FMT_Q4_1 or FMT_Q8_0). */
+void kvf_gemm_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy,
+                     int64_t M, int64_t N, int64_t K, int nthreads) {
+    gemm(x, ldx, w, fmt, K / 32 * BLOCK_BYTES[fmt], y, ldy, M, N, K, nthreads);
 }
 
 /* ---- decode attention straight from the pool: one task per (sequence, KV head), as in decode_gemm.c ---------- */

@@ -90,13 +90,16 @@ def _library() -> ctypes.CDLL | None:
     so.kvf_gemm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
     so.kvf_gemm_bf16.restype = None
     so.amx = _cpu_has("amx_bf16", "amx_tile") and so.kvf_amx_init() == 1
+    # block weights' product: on tiles (decode_gemm.c, AMX only; N % 16 == 0) or with AVX2 (decode_avx2.c)
+    so.gemm_blocks = so.kvf_gemm_amx_blocks if so.amx else getattr(so, "kvf_gemm_blocks", None)
+    if so.gemm_blocks is not None:
+        so.gemm_blocks.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
+        so.gemm_blocks.restype = None
+        so.kvf_expand_rows.argtypes = [ptr, ctypes.c_int, ptr, i64, i64, ptr]
+        so.kvf_expand_rows.restype = None
     if so.amx:  # the entry points on tiles
         so.kvf_gemm_amx.argtypes = so.kvf_gemm_bf16.argtypes
         so.kvf_gemm_amx.restype = None
-        so.kvf_gemm_amx_blocks.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
-        so.kvf_gemm_amx_blocks.restype = None
-        so.kvf_expand_rows.argtypes = [ptr, ctypes.c_int, ptr, i64, i64, ptr]
-        so.kvf_expand_rows.restype = None
         so.kvf_prefill_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
                                              i64, ctypes.c_int]
         so.kvf_prefill_attention.restype = None
@@ -126,9 +129,9 @@ def library() -> ctypes.CDLL:
 
 
 def blocks_supported() -> bool:
-    """Whether ``gemm`` takes ``BlockWeight``s here (it needs AMX tiles)."""
+    """Whether ``gemm`` takes ``BlockWeight``s here (AMX tiles, or the AVX2 kernels)."""
     lib = _library()
-    return lib is not None and lib.amx
+    return lib is not None and lib.gemm_blocks is not None
 
 
 GemmEntry = tuple[Callable[..., None], int, int]
@@ -141,9 +144,9 @@ def gemm_entry(w: torch.Tensor | BlockWeight, amx: bool | None = None) -> GemmEn
     lib = _library()
     N, K = w.shape
     if isinstance(w, BlockWeight):
-        if not lib.amx or N % 16:
-            raise ValueError("block weights need AMX and N % 16 == 0")
-        return lib.kvf_gemm_amx_blocks, w.data_ptr(), _FORMAT_IDS[w.fmt]
+        if lib.gemm_blocks is None or (lib.amx and N % 16):
+            raise ValueError("block weights need AMX (with N % 16 == 0) or the AVX2 kernels")
+        return lib.gemm_blocks, w.data_ptr(), _FORMAT_IDS[w.fmt]
     if w.dtype != torch.bfloat16 or not w.is_contiguous():
         raise ValueError("decode gemm: w must be contiguous bfloat16")
     fn = lib.kvf_gemm_amx if (lib.amx if amx is None else amx) and K % 32 == 0 and N % 16 == 0 else lib.kvf_gemm_bf16
@@ -152,7 +155,7 @@ def gemm_entry(w: torch.Tensor | BlockWeight, amx: bool | None = None) -> GemmEn
 
 def gemm(x: torch.Tensor, w: torch.Tensor | BlockWeight, amx: bool | None = None) -> torch.Tensor:
     """``x [M, K] @ w [N, K].T -> [M, N]`` in bfloat16 on CPU; rows of x may have any row stride. ``w`` may be a
-    ``BlockWeight`` (AMX only): the same bits as its bf16 dequantization gives."""
+    ``BlockWeight`` (where ``blocks_supported()``): the same bits as its bf16 dequantization gives."""
     M, K = x.shape
     N = w.shape[0]
     if x.dtype != torch.bfloat16 or x.stride(1) != 1 or w.shape[1] != K:

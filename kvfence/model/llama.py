@@ -14,12 +14,12 @@ Nothing a row computes depends on its neighbours or its position in the batch, s
 chunks (decode groups first) and restores the caller's order in the logits.
 
 Fast path (bf16 on CPU, when ``kernels.py`` builds its C library; ``_forward_c``): every matmul row (prefill and
-decode) runs on AMX tiles (GGUF blocks expanded to bf16 inside the kernel), attention reads K/V straight from the
-pool (decode rows in one call, each prefill chunk on tiles), and residual add + RMSNorm, rotary + K/V write and
-silu(gate) * up are one call each. Each of these computes a row (or a sequence and head) with the same
-instructions whatever else is in the call or how many threads run it, so they are batch-invariant by construction
-and need no calibration. A step allocates its buffers once and calls the C entry points straight, about ten per
-layer. See docs/performance.md.
+decode) runs in the C kernel (AMX tiles, or AVX2 lanes; GGUF blocks expanded to bf16 inside it), attention reads
+K/V straight from the pool (decode rows in one call; each prefill chunk on tiles where there is AMX, else torch's
+SDPA), and residual add + RMSNorm, rotary + K/V write and silu(gate) * up are one call each. Each of these
+computes a row (or a sequence and head) with the same instructions whatever else is in the call or how many
+threads run it, so they are batch-invariant by construction and need no calibration. A step allocates its
+buffers once and calls the C entry points straight, about ten per layer. See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class Model:
     ) -> Model:
         """Build from HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up.
 
-        GGUF block weights stay blocks where the C kernels expand them (bf16 on an AMX CPU, unless
+        GGUF block weights stay blocks where the C kernels expand them (bf16 with AMX or AVX2 kernels, unless
         ``KVFENCE_KEEP_BLOCKS=0``): the same bits as dequantized weights, a third of the bytes. Elsewhere they are
         dequantized here."""
         keep = (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.blocks_supported()
