@@ -131,9 +131,35 @@ static inline __m256 nibbles(__m256i v, int high) { /* 8 4-bit values of 8 bytes
     return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
 }
 
-/* Weight row -> K fp32 at out, zero up to K8: bf16 widened, or blocks expanded to bf16(d q + m) (Q8_0: bf16(d q))
- * and widened: what gguf's dequantize then a cast to bf16 give (d q is exact in fp32, so the FMA rounds as a
- * multiply then an add do). So a model that keeps its blocks computes the bits of its dequantized bf16 copy. */
+/* Blocks b, b + 1 (b even) of a row of nb Q4_1 or Q8_0 blocks -> their 64 weights in k order, as fp32 holding
+ * bf16(d q + m) (Q8_0: bf16(d q)): what gguf's dequantize then a cast to bf16 give (d q is exact in fp32, so the
+ * FMA rounds as a multiply then an add do). */
+static inline void widen_pair(const uint8_t *row, int fmt, int64_t nb, int64_t b, __m256 v[8]) {
+    const uint16_t *d = (const uint16_t *)row;
+    if (fmt == FMT_Q8_0) {
+        const int8_t *qs = (const int8_t *)(row + 2 * nb) + 32 * b;
+        for (int h = 0; h < 2; h++) {
+            const __m256 db = _mm256_set1_ps(_cvtsh_ss(d[b + h]));
+            for (int j = 0; j < 4; j++) {
+                const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * h + 8 * j)));
+                v[4 * h + j] = round_finite(_mm256_mul_ps(db, _mm256_cvtepi32_ps(q)));
+            }
+        }
+        return;
+    }
+    const uint16_t *m = d + nb;
+    const uint8_t *qs = row + 4 * nb + 16 * b;
+    const __m256 da = _mm256_set1_ps(_cvtsh_ss(d[b])), ma = _mm256_set1_ps(_cvtsh_ss(m[b]));
+    const __m256 db = _mm256_set1_ps(_cvtsh_ss(d[b + 1])), mb = _mm256_set1_ps(_cvtsh_ss(m[b + 1]));
+    for (int j = 0; j < 4; j++) { /* byte i of a pair: block b's weight i (low nibble), b + 1's (high) */
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * j)));
+        v[j] = round_finite(_mm256_fmadd_ps(da, nibbles(q, 0), ma));
+        v[4 + j] = round_finite(_mm256_fmadd_ps(db, nibbles(q, 1), mb));
+    }
+}
+
+/* Weight row -> K fp32 at out, zero up to K8: bf16 widened, or blocks expanded as widen_pair does. So a model that
+ * keeps its blocks computes the bits of its dequantized bf16 copy. */
 static void widen_row(const uint8_t *row, int fmt, int64_t K, int64_t K8, float *out) {
     if (fmt == FMT_BF16) {
         const uint16_t *w = (const uint16_t *)row;
@@ -142,38 +168,47 @@ static void widen_row(const uint8_t *row, int fmt, int64_t K, int64_t K8, float 
         for (; k < K8; k++) out[k] = k < K ? bf16_to_f32(w[k]) : 0.0f;
         return;
     }
-    const int64_t nb = K / 32;
-    const uint16_t *d = (const uint16_t *)row;
+    const int64_t nb = K / 32, b = nb / 2 * 2;
+    for (int64_t p = 0; p < b; p += 2) {
+        __m256 v[8];
+        widen_pair(row, fmt, nb, p, v);
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + 32 * p + 8 * j, v[j]);
+    }
+    if (b == nb) return;
+    const __m256 db = _mm256_set1_ps(_cvtsh_ss(((const uint16_t *)row)[b]));
     if (fmt == FMT_Q8_0) {
-        const int8_t *qs = (const int8_t *)(row + 2 * nb);
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256 db = _mm256_set1_ps(_cvtsh_ss(d[b]));
-            for (int j = 0; j < 32; j += 8) {
-                const __m128i q = _mm_loadl_epi64((const __m128i *)(qs + 32 * b + j));
-                _mm256_storeu_ps(out + 32 * b + j, round_finite(_mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)))));
-            }
+        const int8_t *qs = (const int8_t *)(row + 2 * nb) + 32 * b;
+        for (int j = 0; j < 32; j += 8) {
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + j)));
+            _mm256_storeu_ps(out + 32 * b + j, round_finite(_mm256_mul_ps(db, _mm256_cvtepi32_ps(q))));
         }
         return;
     }
-    const uint16_t *m = d + nb;
-    const uint8_t *qs = row + 4 * nb;
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const __m256 da = _mm256_set1_ps(_cvtsh_ss(d[b])), ma = _mm256_set1_ps(_cvtsh_ss(m[b]));
-        const __m256 db = _mm256_set1_ps(_cvtsh_ss(d[b + 1])), mb = _mm256_set1_ps(_cvtsh_ss(m[b + 1]));
-        for (int j = 0; j < 32; j += 8) {
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 16 * b + j)));
-            _mm256_storeu_ps(out + 32 * b + j, round_finite(_mm256_fmadd_ps(da, nibbles(v, 0), ma)));
-            _mm256_storeu_ps(out + 32 * (b + 1) + j, round_finite(_mm256_fmadd_ps(db, nibbles(v, 1), mb)));
-        }
+    const __m256 mb = _mm256_set1_ps(_cvtsh_ss(((const uint16_t *)row)[nb + b]));
+    const uint8_t *qs = row + 4 * nb + 16 * b;
+    for (int j = 0; j < 16; j += 8) { /* an odd last block in the GGUF's order: byte i holds weights i and i + 16 */
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + j)));
+        _mm256_storeu_ps(out + 32 * b + j, round_finite(_mm256_fmadd_ps(db, nibbles(q, 0), mb)));
+        _mm256_storeu_ps(out + 32 * b + 16 + j, round_finite(_mm256_fmadd_ps(db, nibbles(q, 1), mb)));
     }
-    if (b < nb) { /* byte j: weight j (low nibble) and j + 16 (high) */
-        const __m256 db = _mm256_set1_ps(_cvtsh_ss(d[b])), mb = _mm256_set1_ps(_cvtsh_ss(m[b]));
-        for (int j = 0; j < 16; j += 8) {
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 16 * b + j)));
-            _mm256_storeu_ps(out + 32 * b + j, round_finite(_mm256_fmadd_ps(db, nibbles(v, 0), mb)));
-            _mm256_storeu_ps(out + 32 * b + 16 + j, round_finite(_mm256_fmadd_ps(db, nibbles(v, 1), mb)));
-        }
+}
+
+/* acc[j] = x . weight row j for ``rows`` block rows at w (row_bytes apart): the FMAs of dot_1x8 / dot_1x1 over
+ * their widened rows in the same order, with each pair of blocks expanded into registers instead of a buffer
+ * (one x row uses each weight once). Rows go two at a time, two independent chains. Needs K % 64 == 0. */
+static void dot_block_rows(const float *xf, const uint8_t *w, int fmt, int64_t row_bytes, int64_t K, int rows,
+                           __m256 *acc) {
+    const int64_t nb = K / 32;
+    for (int j = 0; j < rows; j += 2) {
+        const int n = j + 1 < rows ? 2 : 1;
+        __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t b = 0; b < nb; b += 2)
+            for (int r = 0; r < n; r++) {
+                __m256 v[8];
+                widen_pair(w + (j + r) * row_bytes, fmt, nb, b, v);
+                for (int i = 0; i < 8; i++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + 32 * b + 8 * i), v[i], a[r]);
+            }
+        for (int r = 0; r < n; r++) acc[j + r] = a[r];
     }
 }
 
@@ -200,6 +235,18 @@ static void gemm(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, int6
         const int64_t n0 = nb * NBLOCK, n1 = nb < nblocks ? n0 + NBLOCK : N;
         float *wf = f32_buffer(1, NBLOCK * K8), r[16];
         __m256 acc[16];
+        if (M == 1 && fmt != FMT_BF16 && K % 64 == 0) { /* one row: no buffer, 1.07-1.37x */
+            int64_t n = n0;
+            for (; n + 8 <= n1; n += 8) {
+                dot_block_rows(xf, w + n * row_bytes, fmt, row_bytes, K, 8, acc);
+                store_n(sum8(acc), 8, y + n);
+            }
+            for (; n < n1; n++) {
+                dot_block_rows(xf, w + n * row_bytes, fmt, row_bytes, K, 1, acc);
+                y[n] = f32_to_bf16(sum1(acc[0]));
+            }
+            continue;
+        }
         for (int64_t n = n0; n < n1; n++) widen_row(w + n * row_bytes, fmt, K, K8, wf + (n - n0) * K8);
         for (int i = 12; i < 16; i++) acc[i] = _mm256_setzero_ps();
         int64_t m = 0;
