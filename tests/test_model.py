@@ -5,7 +5,10 @@ Tolerance against it: max |logit difference| <= 2e-5 x max |logit| in float32 (m
 differences are BLAS reduction orders).
 """
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -564,6 +567,18 @@ def test_silu_mul_rounds_like_the_torch_ops_and_treats_rows_alone():
     assert differ.float().mean() <= 1e-4, int(differ.sum())  # its exp differs from torch's in the last fp32 bits
     assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()  # then by one bf16 step at most
     assert torch.equal(torch.cat([kernels.silu_mul(gate_up[i : i + 1]) for i in range(70)]), got)
+
+
+@pytest.mark.skipif(not kernels._cpu_has("avx2", "fma", "f16c") or kernels.flavour() == "avx2",
+                    reason="this host builds decode_avx2.c already (or cannot)")
+def test_the_avx2_kernels_pass_the_kernel_tests_on_an_avx512_host_too():
+    """A host with AVX512-BF16 builds decode_gemm.c, so the kernel tests above never see decode_avx2.c there: run
+    them again with it forced, in a fresh process."""
+    tests = "kernel or decode_gemm or rope_write or silu or block or thread_count or decode_groups_bf16"
+    env = {**os.environ, "KVFENCE_KERNELS": "avx2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:]
 
 
 @needs_blocks

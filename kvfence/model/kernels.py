@@ -7,9 +7,10 @@ and the MLP's silu(gate) * up are row- or sequence-wise the same way.
 
 Two sources, one set of entry points: ``decode_gemm.c`` for CPUs with AVX512-BF16 (and AMX tiles where present:
 block weights, prefill attention), ``decode_avx2.c`` for CPUs with only AVX2, FMA and F16C. Each is batch-invariant
-on its own terms; their bits differ. They are optional: ``available()`` is False without a C compiler, on a CPU
-without AVX2, or with ``KVFENCE_DECODE_GEMM=0``; the model then uses ``invariant.matmul`` for every row. Either way
-a process uses one of them throughout.
+on its own terms; their bits differ. ``KVFENCE_KERNELS=avx2`` builds the AVX2 one on any CPU that has AVX2. They
+are optional: ``available()`` is False without a C compiler, on a CPU without AVX2, or with
+``KVFENCE_DECODE_GEMM=0``; the model then uses ``invariant.matmul`` for every row. Either way a process uses one of
+them throughout.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ log = logging.getLogger(__name__)
 
 _threads = 0  # threads of the C kernels; 0: torch's count
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
-# (source, CPU flags it needs, compiler flags), the first that fits this CPU
-_FLAVOURS = [
-    ("decode_gemm.c", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"),
-     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mamx-tile", "-mamx-bf16"]),
-    ("decode_avx2.c", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
-]
+# flavour: (source, CPU flags it needs, compiler flags); the first that fits this CPU is built, unless
+# KVFENCE_KERNELS names one (tests use it to check the AVX2 source on an AVX-512 host)
+_FLAVOURS = {
+    "avx512": ("decode_gemm.c", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mamx-tile", "-mamx-bf16"]),
+    "avx2": ("decode_avx2.c", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+}
 _FORMAT_IDS = {"Q4_1": 1, "Q8_0": 2}  # decode_gemm.c's FMT_*
 
 
@@ -66,10 +68,14 @@ def _cpu_has(*features: str) -> bool:
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("KVFENCE_DECODE_GEMM", "1") == "0":
         return None
-    fits = [(name, flags) for name, needs, flags in _FLAVOURS if _cpu_has(*needs)]
+    fits = [name for name, (_, needs, _) in _FLAVOURS.items() if _cpu_has(*needs)]
+    forced = os.environ.get("KVFENCE_KERNELS")
+    if forced:
+        fits = [name for name in fits if name == forced]
     if not fits:
         return None
-    source, flags = Path(__file__).with_name(fits[0][0]), [*fits[0][1], *_COMMON_FLAGS]
+    source, _, flags = _FLAVOURS[fits[0]]
+    source, flags = Path(__file__).with_name(source), [*flags, *_COMMON_FLAGS]
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         log.warning("no C compiler: decode matmuls fall back to torch (slower)")
@@ -86,6 +92,7 @@ def _library() -> ctypes.CDLL | None:
             return None
         os.replace(tmp, lib)  # atomic: concurrent builders each publish a complete file
     so = ctypes.CDLL(str(lib))
+    so.flavour = fits[0]
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     so.kvf_gemm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
     so.kvf_gemm_bf16.restype = None
@@ -117,6 +124,12 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _library() is not None
+
+
+def flavour() -> str | None:
+    """Which source the C kernels came from here: "avx512" (decode_gemm.c), "avx2" (decode_avx2.c) or None."""
+    lib = _library()
+    return lib.flavour if lib is not None else None
 
 
 def library() -> ctypes.CDLL:
