@@ -17,21 +17,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 int kvf_amx_init(void) { return 0; } /* no tiles here: kernels.py then never asks for AMX entry points */
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static inline __m256 load8(const uint16_t *p) { /* 8 bf16 -> fp32 */
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -424,11 +412,7 @@ void kvf_rope_write(uint16_t *qkv, int64_t ldq, int64_t H, int64_t KV, int64_t D
                 }
                 continue;
             }
-            for (int64_t e = 0; e < D; e++) {
-                const uint16_t a = f32_to_bf16(bf16_to_f32(tmp[e]) * bf16_to_f32(c[e]));
-                const uint16_t b = f32_to_bf16(bf16_to_f32(tmp[(e + D / 2) % D]) * bf16_to_f32(s[e]));
-                v[e] = f32_to_bf16(bf16_to_f32(a) + bf16_to_f32(b));
-            }
+            rope_head_scalar(v, tmp, c, s, D);
         }
         memcpy(kv + slots[t] * slot_stride, qkv + t * ldq + H * D, 2 * KV * D * sizeof(uint16_t));
     }

@@ -14,6 +14,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* The first min(left, 16) of 16 lanes; none when left <= 0. */
 static inline __mmask16 first_lanes(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
@@ -637,20 +639,6 @@ void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, i
 
 /* ---- row-wise steps around the matmuls (bf16, one row at a time, same order for every row) --------------------- */
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* x[t] = bf16(x[t] + y[t]) when y is given; then h[t] = bf16(w * bf16(x[t] / sqrt(mean(x[t]^2) + eps))) (HF
  * LlamaRMSNorm in bf16). The sum of squares runs over 16 fp32 lanes then one fixed-order lane sum. */
 void kvf_add_rms_norm(uint16_t *x, int64_t ldx, const uint16_t *y, int64_t ldy, const uint16_t *w, uint16_t *h,
@@ -710,11 +698,7 @@ void kvf_rope_write(uint16_t *qkv, int64_t ldq, int64_t H, int64_t KV, int64_t D
                 }
                 continue;
             }
-            for (int64_t e = 0; e < D; e++) {
-                const uint16_t a = f32_to_bf16(bf16_to_f32(tmp[e]) * bf16_to_f32(c[e]));
-                const uint16_t b = f32_to_bf16(bf16_to_f32(tmp[(e + D / 2) % D]) * bf16_to_f32(s[e]));
-                v[e] = f32_to_bf16(bf16_to_f32(a) + bf16_to_f32(b));
-            }
+            rope_head_scalar(v, tmp, c, s, D);
         }
         memcpy(kv + slots[t] * slot_stride, qkv + t * ldq + H * D, 2 * KV * D * sizeof(uint16_t));
     }

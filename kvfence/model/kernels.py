@@ -80,7 +80,8 @@ def _library() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler: decode matmuls fall back to torch (slower)")
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in [source, *sorted(source.parent.glob("*.h"))])
+    key = hashlib.sha256(text + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     lib = Path(tempfile.gettempdir()) / f"kvfence-kernels-{os.getuid()}" / f"{source.stem}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
