@@ -1,5 +1,5 @@
-/* The row kernels of decode_gemm.c for x86-64 CPUs with AVX2, FMA and F16C but no AVX512-BF16 (AMD Zen 2-4 guests
- * whose hypervisor hides AVX-512, older Intel). Same entry points, same contracts, same layouts; 8 fp32 lanes
+/* The row kernels of decode_gemm.c for x86-64 CPUs with AVX2, FMA and F16C but no AVX512-BF16 (AMD before Zen 4,
+ * Zen 4 guests whose hypervisor hides AVX-512, Intel before Cooper Lake). Same entry points, same contracts, same layouts; 8 fp32 lanes
  * instead of 16 and no AMX, so its bits are its own: every kernel here is row- (or sequence-) independent by
  * construction on its own terms, which is what batch invariance needs on one machine.
  *
