@@ -119,6 +119,15 @@ static inline __m256 nibbles(__m256i v, int high) { /* 8 4-bit values of 8 bytes
     return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
 }
 
+/* One Q8_0 block (fp16 scale d, 32 int8 at qs) -> its 32 weights as fp32 holding bf16(d q). */
+static inline void widen_q8_block(const int8_t *qs, uint16_t d, __m256 v[4]) {
+    const __m256 dv = _mm256_set1_ps(_cvtsh_ss(d));
+    for (int j = 0; j < 4; j++) {
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * j)));
+        v[j] = round_finite(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(q)));
+    }
+}
+
 /* Blocks b, b + 1 (b even) of a row of nb Q4_1 or Q8_0 blocks -> their 64 weights in k order, as fp32 holding
  * bf16(d q + m) (Q8_0: bf16(d q)): what gguf's dequantize then a cast to bf16 give (d q is exact in fp32, so the
  * FMA rounds as a multiply then an add do). */
@@ -126,13 +135,8 @@ static inline void widen_pair(const uint8_t *row, int fmt, int64_t nb, int64_t b
     const uint16_t *d = (const uint16_t *)row;
     if (fmt == FMT_Q8_0) {
         const int8_t *qs = (const int8_t *)(row + 2 * nb) + 32 * b;
-        for (int h = 0; h < 2; h++) {
-            const __m256 db = _mm256_set1_ps(_cvtsh_ss(d[b + h]));
-            for (int j = 0; j < 4; j++) {
-                const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * h + 8 * j)));
-                v[4 * h + j] = round_finite(_mm256_mul_ps(db, _mm256_cvtepi32_ps(q)));
-            }
-        }
+        widen_q8_block(qs, d[b], v);
+        widen_q8_block(qs + 32, d[b + 1], v + 4);
         return;
     }
     const uint16_t *m = d + nb;
@@ -163,16 +167,14 @@ static void widen_row(const uint8_t *row, int fmt, int64_t K, int64_t K8, float 
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + 32 * p + 8 * j, v[j]);
     }
     if (b == nb) return;
-    const __m256 db = _mm256_set1_ps(_cvtsh_ss(((const uint16_t *)row)[b]));
+    const uint16_t *d = (const uint16_t *)row;
     if (fmt == FMT_Q8_0) {
-        const int8_t *qs = (const int8_t *)(row + 2 * nb) + 32 * b;
-        for (int j = 0; j < 32; j += 8) {
-            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + j)));
-            _mm256_storeu_ps(out + 32 * b + j, round_finite(_mm256_mul_ps(db, _mm256_cvtepi32_ps(q))));
-        }
+        __m256 v[4];
+        widen_q8_block((const int8_t *)(row + 2 * nb) + 32 * b, d[b], v);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + 32 * b + 8 * j, v[j]);
         return;
     }
-    const __m256 mb = _mm256_set1_ps(_cvtsh_ss(((const uint16_t *)row)[nb + b]));
+    const __m256 db = _mm256_set1_ps(_cvtsh_ss(d[b])), mb = _mm256_set1_ps(_cvtsh_ss(d[nb + b]));
     const uint8_t *qs = row + 4 * nb + 16 * b;
     for (int j = 0; j < 16; j += 8) { /* an odd last block in the GGUF's order: byte i holds weights i and i + 16 */
         const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + j)));
@@ -215,12 +217,12 @@ void kvf_expand_rows(const uint8_t *w, int fmt, const int64_t *rows, int64_t n, 
  * row passes over them. */
 static void gemm(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, int64_t row_bytes, uint16_t *y,
                  int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t K8 = (K + 7) / 8 * 8, nblocks = N / NBLOCK;
+    const int64_t K8 = (K + 7) / 8 * 8, tasks = (N + NBLOCK - 1) / NBLOCK;
     float *xf = f32_buffer(0, M * K8);
     for (int64_t m = 0; m < M; m++) widen_row((const uint8_t *)(x + m * ldx), FMT_BF16, K, K8, xf + m * K8);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t nb = 0; nb <= nblocks; nb++) {
-        const int64_t n0 = nb * NBLOCK, n1 = nb < nblocks ? n0 + NBLOCK : N;
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t n0 = task * NBLOCK, n1 = n0 + NBLOCK < N ? n0 + NBLOCK : N;
         float *wf = f32_buffer(1, NBLOCK * K8), r[16];
         __m256 acc[16];
         if (M == 1 && fmt != FMT_BF16 && K % 64 == 0) { /* one row: no buffer, 1.07-1.37x */
