@@ -375,7 +375,10 @@ def test_decode_groups_fp32(f32):
     check_decode_groups(f32, {60: 8, 37: 5, 1: 2})
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no C kernels here (need a C compiler and AVX2)")
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C kernels here (need a C compiler and AVX2)")
+
+
+@needs_kernels
 @pytest.mark.parametrize("amx", [False, True])
 def test_decode_gemm_rows_do_not_depend_on_the_call(amx):
     """Every row of the decode kernel equals that row computed alone, for any M and offset (model shapes, the
@@ -394,7 +397,7 @@ def test_decode_gemm_rows_do_not_depend_on_the_call(amx):
         assert (err <= 2**-8 * ref.abs() + 1e-4 * ref.abs().max()).all(), (n, k)  # bf16 rounding of the result
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no C kernels here (need a C compiler and AVX2)")
+@needs_kernels
 def test_decode_attention_kernel_matches_sdpa_and_ignores_its_neighbours():
     """The pool-reading decode attention equals float32 SDPA over the same bf16 K/V up to its bf16 output rounding,
     for lengths on both sides of its 16-position score blocks, and each sequence's row is bit for bit the same
@@ -448,7 +451,7 @@ def test_prefill_attention_kernel_is_causal_attention_and_the_same_on_any_thread
         assert (err <= 2**-6 * ref.reshape(n, -1).abs() + 2**-6).all(), (S, n, err.max())
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no C kernels here (need a C compiler and AVX2)")
+@needs_kernels
 def test_decode_kernels_give_the_same_bits_on_any_thread_count():
     """A lone decode worker runs the C kernels on every core while no prefill runs, on fewer otherwise."""
     gen = torch.Generator().manual_seed(3)
@@ -519,7 +522,7 @@ def test_bf16_model_keeps_its_blocks_and_computes_what_the_dequantized_model_doe
     assert all(torch.equal(a, b) for a, b in zip(with_blocks, logits, strict=True))
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no C kernels here (need a C compiler and AVX2)")
+@needs_kernels
 @pytest.mark.parametrize("head_dim", [64, 48])  # 48: the scalar path for heads that are not a multiple of 32
 def test_rope_write_is_bit_for_bit_the_torch_rotary_and_kv_write(head_dim):
     gen = torch.Generator().manual_seed(head_dim)
@@ -536,7 +539,7 @@ def test_rope_write_is_bit_for_bit_the_torch_rotary_and_kv_write(head_dim):
     assert torch.equal(qkv, want) and torch.equal(pool, want_pool)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no C kernels here (need a C compiler and AVX2)")
+@needs_kernels
 def test_a_forward_gives_the_same_bits_on_any_thread_count(bf16):
     """A worker alone on the host computes on every core (C kernels and torch's prefill attention): a prefill chunk
     and a decode step give the same logits on 1 and 2 threads."""
@@ -557,7 +560,7 @@ def test_a_forward_gives_the_same_bits_on_any_thread_count(bf16):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-@pytest.mark.skipif(not kernels.available(), reason="no C kernels here (need a C compiler and AVX2)")
+@needs_kernels
 def test_silu_mul_rounds_like_the_torch_ops_and_treats_rows_alone():
     gen = torch.Generator().manual_seed(11)
     gate_up = (torch.randn(70, 2 * 1536, generator=gen) * 3).bfloat16()
