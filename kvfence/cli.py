@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from kvfence.config import POOL_CONTEXTS, default_pool_tokens
+from kvfence.config import POOL_DEFAULTS, default_pool_tokens
 from kvfence.tools.audit import non_negative_int, positive_int
 
 DTYPES = ("bfloat16", "float32")
@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_pool_args(p: argparse.ArgumentParser, per_role: bool) -> None:
     g = p.add_argument_group("KV cache and batching")
     g.add_argument("--kv-pool-tokens", type=positive_int, default=None,
-                   help=f"KV pool size in tokens for every worker (default: {POOL_CONTEXTS} x max context)")
+                   help=f"KV pool size in tokens for every worker (default: {POOL_DEFAULTS})")
     if per_role:
         g.add_argument("--prefill-pool-tokens", type=positive_int, default=None,
                        help="prefill workers' pool (overrides)")
@@ -133,14 +133,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvfence.workers.supervisor import Supervisor, free_tcp_address
 
     name, tokenizer, max_context = describe(args)
-    pool = args.kv_pool_tokens or default_pool_tokens(max_context)
     router_addr = free_tcp_address()
     workers = []
     threads, solo = local_threads(args)
     for role, count, role_pool in (("prefill", args.prefill, args.prefill_pool_tokens),
                                    ("decode", args.decode, args.decode_pool_tokens)):
-        refuse_to_start_unless_fits(role, role_pool or pool, args.page_size, max_context)
-        workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, role_pool or pool,
+        pool = role_pool or args.kv_pool_tokens or default_pool_tokens(max_context, role)
+        refuse_to_start_unless_fits(role, pool, args.page_size, max_context)
+        workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, pool,
                                     threads=threads, solo_threads=solo[role]) for _ in range(count)]
     engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers))
     supervisor = Supervisor(workers, engine.worker_died)
@@ -166,7 +166,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from kvfence.workers.supervisor import run_worker
 
     max_context = served_context(args, describe_model(args.model)[1].max_context)
-    pool = args.kv_pool_tokens or default_pool_tokens(max_context)
+    pool = args.kv_pool_tokens or default_pool_tokens(max_context, args.role)
     refuse_to_start_unless_fits(args.role, pool, args.page_size, max_context)
     settings = worker_settings(args, args.role, args.bind, args.router, max_context, pool, advertise=args.advertise)
     run_worker(settings, supervised=False)
@@ -180,7 +180,7 @@ def serve_colocated(args: argparse.Namespace) -> int:
     from kvfence.tools.audit import refuse_to_start_unless_fits
 
     loaded, max_context = load(args)
-    pool = args.kv_pool_tokens or default_pool_tokens(max_context)
+    pool = args.kv_pool_tokens or default_pool_tokens(max_context, "colocated")
     refuse_to_start_unless_fits("colocated", pool, args.page_size, max_context)
     config = EngineConfig(max_context=max_context, kv_pool_tokens=pool,
                           page_size=args.page_size, max_batch=args.max_batch, chunk_size=args.chunk_size,

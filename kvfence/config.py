@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOL_CONTEXTS = 2  # a worker's default KV pool holds this many full-context requests
+# Full-context requests a role's default KV pool holds. Decode keeps requests for their whole life; prefill
+# holds a prompt only until its pages reach decode, so one context (what L0 asks) is enough there.
+POOL_CONTEXTS = {"prefill": 1, "decode": 2, "colocated": 2}
+POOL_DEFAULTS = "2 x max context; 1 x on prefill workers"  # the above, for --help texts
 
 
-def default_pool_tokens(max_context: int) -> int:
-    return POOL_CONTEXTS * max_context
+def default_pool_tokens(max_context: int, role: str) -> int:
+    return POOL_CONTEXTS[role] * max_context
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ def test_flags_incident_like_prefill_pool_is_undersized(capsys):
 
 
 def test_flags_default_pools_and_context_are_ok(capsys):
-    """Defaults as ``kvfence serve``'s: the model's context (4,096 here) and pools of 2 x that.
+    """Defaults as ``kvfence serve``'s: the model's context (4,096 here), a prefill pool of 1 x that, decode 2 x.
 
     (The default model, SmolLM2, has the shape of ``SMOLLM2`` above; reading its GGUF metadata takes seconds.)
     """
@@ -147,7 +147,7 @@ def test_flags_default_pools_and_context_are_ok(capsys):
     report = json.loads(out)
     assert report["ok"] and "2 layers x 2 KV heads x 16, bfloat16" in report["sources"][0]
     assert [(n["node"], n["pool_tokens"], n["max_context"]) for n in report["nodes"]] == [
-        ("prefill-0", 8_192, 4_096), ("decode-0", 8_192, 4_096)]
+        ("prefill-0", 4_096, 4_096), ("decode-0", 8_192, 4_096)]
 
 
 def test_flags_pool_memory_and_the_most_specific_flag_wins(capsys):

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from kvfence.config import POOL_CONTEXTS, ModelConfig, default_pool_tokens
+from kvfence.config import POOL_DEFAULTS, ModelConfig, default_pool_tokens
 from kvfence.core import KvfenceError
 from kvfence.kvcache.layout import TAG_BYTES, KVLayout
 from kvfence.safety import Safety
@@ -168,7 +168,7 @@ def role_pool_tokens(args: argparse.Namespace, role: str, cfg: ModelConfig, max_
     tokens, memory = pool_setting(args, role)
     if memory is not None:
         return pool_tokens_for_memory(memory, cfg, args.page_size, dtype_bytes)
-    return usable_pool_tokens(default_pool_tokens(max_context) if tokens is None else tokens, args.page_size)
+    return usable_pool_tokens(default_pool_tokens(max_context, role) if tokens is None else tokens, args.page_size)
 
 
 def pool_setting(args: argparse.Namespace, role: str) -> tuple[int | None, int | None]:
@@ -351,7 +351,7 @@ def add_audit_parser(sub) -> None:
                     "context.\n\n"
                     "Three forms:\n"
                     "  kvfence audit [--model M] [--max-context N] [--prefill N --decode M] [pool flags]\n"
-                    f"      a planned deployment, with kvfence serve's defaults (pool {POOL_CONTEXTS} x max context)\n"
+                    f"      a planned deployment, with kvfence serve's defaults (pool {POOL_DEFAULTS})\n"
                     "  kvfence audit --url http://HOST:PORT [--key KEY]\n"
                     "      a running kvfence server (its /health) or SGLang server or PD load balancer (its server\n"
                     "      info), told apart automatically; repeat --url to audit several servers together\n\n"
@@ -365,7 +365,7 @@ def add_audit_parser(sub) -> None:
     plan.add_argument("--decode", type=non_negative_int, metavar="N", default=1, help="decode workers")
     pool = p.add_argument_group("pools (without --url): tokens or memory per node; a role's own flag wins")
     pool.add_argument("--kv-pool-tokens", type=non_negative_int, metavar="N",
-                      help=f"every node's pool in tokens (default: {POOL_CONTEXTS} x max context)")
+                      help=f"every node's pool in tokens (default: {POOL_DEFAULTS})")
     pool.add_argument("--prefill-pool-tokens", type=non_negative_int, metavar="N")
     pool.add_argument("--decode-pool-tokens", type=non_negative_int, metavar="N")
     pool.add_argument("--pool-memory", type=parse_bytes, metavar="SIZE",
