@@ -371,6 +371,27 @@ def test_router_sends_admit_and_prefill_to_the_least_loaded_pair():
                    Send(P, Prefill(RID, "tenant-a", [1, 2, 3, 4, 5, 6], params, D, idle_pair=True))]
 
 
+def test_router_spreads_a_burst_between_heartbeats_over_decode_workers():
+    """Free pages come with the 0.5 s Hello; a burst inside one heartbeat counts the prompt pages it already sent
+    (4 pages of 16 tokens here), so it splits by projected free pages instead of all going to the worker that
+    reported the most, and a new Hello starts the count again."""
+    core = RouterCore(R, max_context=4096, safety=SAFE)
+
+    def decode_hello(worker: str, free: int) -> Hello:
+        return Hello(worker, "decode", "tcp://x", {}, 4096, 4096, free_pages=free, total_pages=256)
+
+    for h in (hello(P, "prefill", pool=4096), decode_hello("decode-a", 256), decode_hello("decode-b", 250)):
+        core.worker_up(h)
+
+    def burst(first: int, n: int) -> list[str]:
+        return [core.submit(Request(list(range(1, 61)), SamplingParams(4), "t", rid=first + i))[0].to
+                for i in range(n)]
+
+    assert burst(1, 6) == ["decode-a", "decode-a", "decode-b", "decode-a", "decode-b", "decode-a"]
+    core.worker_up(decode_hello("decode-b", 250))  # b's new Hello: its promises are counted as granted now
+    assert burst(100, 2) == ["decode-b", "decode-b"]
+
+
 def test_router_rejects_over_length_before_sending_anything():
     out = router_core().submit(request(60, 10))
     assert len(out) == 1 and isinstance(out[0].error, ContextLengthExceeded)

@@ -58,6 +58,16 @@ class WorkerInfo:
 
     hello: Hello
     in_flight: int = 0
+    pages_promised: int = 0  # decode: prompt pages of the requests sent to it since that Hello
+
+    def projected_free_pages(self) -> int:
+        """Free pages once the requests sent since the last Hello are granted (a burst within one heartbeat
+        would otherwise all go to whichever worker reported the most)."""
+        return self.hello.free_pages - self.pages_promised
+
+    def promise(self, tokens: int) -> None:
+        page = self.hello.pool_tokens // self.hello.total_pages if self.hello.total_pages else 1
+        self.pages_promised += -(-tokens // max(page, 1))
 
 
 class RouterCore:
@@ -84,6 +94,7 @@ class RouterCore:
         idle_pair = self.workers[prefill].in_flight == self.workers[decode].in_flight == 0
         self.workers[prefill].in_flight += 1
         self.workers[decode].in_flight += 1
+        self.workers[decode].promise(req.prompt_len)
         params = Params.of(req.params)
         return [
             Send(decode, Admit(req.rid, req.tenant, req.prompt_ids, params, prefill)),
@@ -142,7 +153,7 @@ class RouterCore:
         if info is None:
             self.workers[hello.worker] = WorkerInfo(hello)
         else:
-            info.hello = hello
+            info.hello, info.pages_promised = hello, 0
         peers = self._peers()
         if hello.role == "prefill":  # anti-entropy: a prefill whose Peers went missing gets them again
             stale = hello.data.get("peers") != peers.digest()
@@ -234,14 +245,14 @@ class RouterCore:
         return None
 
     def _pick_pair(self, req: Request) -> tuple[str, str] | None:
-        """Least-loaded prefill by queued tokens, decode by free pages, among those that fit the request."""
+        """Least-loaded prefill by queued tokens, decode by projected free pages, among those that fit the request."""
         n, m = req.prompt_len, req.params.max_tokens
         prefills = [w for w in self._rotation("prefill") if n <= w.hello.pool_tokens or not self.safety.admission]
         decodes = [w for w in self._rotation("decode") if n + m <= w.hello.pool_tokens or not self.safety.admission]
         if not prefills or not decodes:
             return None
         prefill = min(prefills, key=lambda w: (w.hello.queued_tokens + w.in_flight * n, w.hello.worker))
-        decode = min(decodes, key=lambda w: (-w.hello.free_pages + w.in_flight, w.hello.worker))
+        decode = min(decodes, key=lambda w: (-w.projected_free_pages(), w.in_flight, w.hello.worker))
         return prefill.hello.worker, decode.hello.worker
 
     def _rotation(self, role: str) -> list[WorkerInfo]:
