@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import signal
 import statistics
 import sys
@@ -100,9 +101,13 @@ class Client:
         return r.json()["usage"]["prompt_tokens"]
 
 
+RUN_TAG = random.randrange(1000, 10000)  # one per invocation: no prompt repeats one of an earlier run
+
+
 def make_prompt(i: int, words: int) -> str:
-    """Prompt number ``i``: unique from its third word on (a prefix cache shares only the template), ``words`` long."""
-    return f"Request {i}. Summarise this text: " + " ".join(FILLER[j % len(FILLER)] for j in range(words))
+    """Prompt number ``i``: unique from its third word on (a prefix cache shares only the template), in this run
+    and against earlier runs on the same server (whose prompt cache would otherwise answer), ``words`` long."""
+    return f"Request {RUN_TAG}-{i}. Summarise this text: " + " ".join(FILLER[j % len(FILLER)] for j in range(words))
 
 
 def calibrate(client: Client, target: int) -> int:
