@@ -7,7 +7,7 @@ from dataclasses import dataclass
 # Full-context requests a role's default KV pool holds. Decode keeps requests for their whole life; prefill
 # holds a prompt only until its pages reach decode, so one context (what L0 asks) is enough there.
 POOL_CONTEXTS = {"prefill": 1, "decode": 2, "colocated": 2}
-POOL_DEFAULTS = "2 x max context; 1 x on prefill workers"  # the above, for --help texts
+POOL_DEFAULTS = f"{POOL_CONTEXTS['decode']} x max context; {POOL_CONTEXTS['prefill']} x on prefill workers"
 
 
 def default_pool_tokens(max_context: int, role: str) -> int:
