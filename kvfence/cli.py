@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from kvfence.config import POOL_DEFAULTS, default_pool_tokens
 from kvfence.tools.audit import non_negative_int, positive_int
@@ -302,7 +303,7 @@ def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
         else:
             log.info("ready: http://%s:%d/v1 (model %s)", args.host, args.port, engine.model_name)
         if supervisor is not None:
-            tasks.append(asyncio.create_task(supervise(supervisor)))
+            tasks.append(asyncio.create_task(supervise(supervisor, lambda: server.should_exit)))
         try:
             await server.serve()
         finally:
@@ -322,10 +323,12 @@ async def announce_ready(engine, args) -> None:
              len(engine.core.workers))
 
 
-async def supervise(supervisor) -> None:
+async def supervise(supervisor, stopping: Callable[[], bool]) -> None:
+    """Report dead workers (their requests fail at once) and restart them, except once shutdown began: a Ctrl-C
+    or SIGTERM to the process group reaches the workers too, and they must not come back while the server stops."""
     while True:
         await asyncio.sleep(0.2)
-        supervisor.poll()
+        supervisor.poll(restart=not stopping())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,15 +68,23 @@ class Supervisor:
         for worker in self.settings:
             self._spawn(worker)
 
-    def poll(self) -> None:
-        """Notice dead workers: report each, then start it again."""
+    def poll(self, restart: bool = True) -> None:
+        """Notice dead workers: report each, then start it again, or, with ``restart`` False (the server is
+        stopping), forget it."""
         for worker, proc in list(self.procs.items()):
-            if proc.exitcode is not None:
-                log.error("%s worker %s exited with code %s; restarting it", self.settings[worker].role, worker,
-                          proc.exitcode)
-                self.on_death(worker)
+            if proc.exitcode is None:
+                continue
+            role = self.settings[worker].role
+            if restart:
+                log.error("%s worker %s exited with code %s; restarting it", role, worker, proc.exitcode)
+            else:
+                log.info("%s worker %s exited with code %s while the server stops", role, worker, proc.exitcode)
+            self.on_death(worker)
+            if restart:
                 self.restarts += 1
                 self._spawn(worker)
+            else:
+                del self.procs[worker]
 
     def stop(self, timeout: float = 5.0) -> None:
         for proc in self.procs.values():
