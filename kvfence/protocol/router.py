@@ -61,13 +61,13 @@ class WorkerInfo:
     pages_promised: int = 0  # decode: prompt pages of the requests sent to it since that Hello
 
     def projected_free_pages(self) -> int:
-        """Free pages once the requests sent since the last Hello are granted (a burst within one heartbeat
-        would otherwise all go to whichever worker reported the most)."""
+        """Free pages once the requests sent since the last Hello are granted: each counts for its prompt's
+        pages, not as one page whatever its length."""
         return self.hello.free_pages - self.pages_promised
 
     def promise(self, tokens: int) -> None:
-        page = self.hello.pool_tokens // self.hello.total_pages if self.hello.total_pages else 1
-        self.pages_promised += -(-tokens // max(page, 1))
+        page = self.hello.pool_tokens // self.hello.total_pages if self.hello.total_pages else 1  # no page count: by tokens
+        self.pages_promised += -(-tokens // page)
 
 
 class RouterCore:
