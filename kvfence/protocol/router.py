@@ -66,7 +66,8 @@ class WorkerInfo:
         return self.hello.free_pages - self.pages_promised
 
     def promise(self, tokens: int) -> None:
-        page = self.hello.pool_tokens // self.hello.total_pages if self.hello.total_pages else 1  # no page count: by tokens
+        # a Hello without a page count: count tokens
+        page = self.hello.pool_tokens // self.hello.total_pages if self.hello.total_pages else 1
         self.pages_promised += -(-tokens // page)
 
 
