@@ -4,6 +4,7 @@ Runs everything in one process and interleaves kvfence and transformers
 rounds, so the ratios hold even on a noisy shared machine.
 
     .venv/bin/python bench/decode.py [--rounds 2] [--json bench/results/decode.json]
+    python bench/decode.py --device cuda --model HF_DIR   # on a GPU (scripts/cuda_check.sh)
 """
 
 from __future__ import annotations
@@ -35,17 +36,25 @@ def prompt_ids(tokenizer, n: int, salt: int = 0) -> list[int]:
     return ids[:n]
 
 
-def memory_bandwidth_gbs() -> float:
-    """Read bandwidth of a streaming pass over a tensor far larger than the caches (best of 5).
+def sync(device: str) -> None:
+    """Wait for the device's queued work (a GPU runs ahead of the timer)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def memory_bandwidth_gbs(device: str) -> float:
+    """Read bandwidth of a streaming pass over a tensor far larger than the caches (best of 10).
 
     The pass is a float32 sum, which keeps up with memory. (A bfloat16 sum with float32 accumulation does not:
-    it runs at ~0.5 GB/s here, and measured the kernel, not the memory.)
+    it runs at ~0.5 GB/s on CPU, and measured the kernel, not the memory.)
     """
-    x = torch.ones(512 * 2**20 // 4, dtype=torch.float32)  # 512 MiB
+    x = torch.ones((4096 if device == "cuda" else 512) * 2**20 // 4, dtype=torch.float32, device=device)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(10):
+        sync(device)
         t = time.perf_counter()
         x.sum()
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return x.nbytes / best / 1e9
 
@@ -61,10 +70,10 @@ def weight_bytes_per_token(model) -> int:
 
 
 class KvfenceRunner:
-    def __init__(self, loaded, dtype):
+    def __init__(self, loaded, dtype, device: str):
         self.loaded = loaded
         cfg = EngineConfig(max_context=4096, kv_pool_tokens=40 * 1024, page_size=16, max_batch=64)
-        self.engine = Engine(loaded.model, loaded.tokenizer, cfg, dtype)
+        self.engine = Engine(loaded.model, loaded.tokenizer, cfg, dtype, device)
 
     def prefill_seconds(self, n: int) -> float:
         req = Request(prompt_ids(self.loaded.tokenizer, n), SamplingParams(max_tokens=1, temperature=0))
@@ -88,17 +97,24 @@ class KvfenceRunner:
 
 
 class TransformersRunner:
-    def __init__(self, dtype):
+    def __init__(self, model: str, dtype, device: str):
         from transformers import AutoModelForCausalLM
 
-        path = smollm2_gguf_path()
-        self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+        if model == "smollm2-135m":
+            path = smollm2_gguf_path()
+            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        self.model, self.device = hf.to(device).eval(), device
 
     def _generate(self, ids: torch.Tensor, n: int) -> float:
+        ids = ids.to(self.device)
+        sync(self.device)
         t = time.perf_counter()
         with torch.inference_mode():
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                 do_sample=False, pad_token_id=2)
+        sync(self.device)
         return time.perf_counter() - t
 
     def prefill_seconds(self, tokenizer, n: int) -> float:
@@ -116,17 +132,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--json", default="bench/results/decode.json")
+    ap.add_argument("--model", default="smollm2-135m", help="as for kvfence serve (a GPU run takes an HF directory)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args()
-    dtype = torch.bfloat16
+    dtype, device = torch.bfloat16, args.device
     t0 = time.perf_counter()
-    loaded = load_model("smollm2-135m", dtype=dtype)
-    kv = KvfenceRunner(loaded, dtype)
+    loaded = load_model(args.model, dtype=dtype, device=device)
+    kv = KvfenceRunner(loaded, dtype, device)
     warm = Request(prompt_ids(loaded.tokenizer, 16), SamplingParams(max_tokens=1, temperature=0))
     kv.engine.add(warm)
     while not warm.output_ids:
         kv.engine.step()
     start_to_first_token = time.perf_counter() - t0
-    hf = None if args.no_transformers else TransformersRunner(dtype)
+    hf = None if args.no_transformers else TransformersRunner(args.model, dtype, device)
 
     rows: list[dict] = []
 
@@ -153,18 +171,21 @@ def main() -> None:
         measure(f"decode batch {batch}", "tok/s", lambda b=batch: kv.decode_tok_s(b, args.new_tokens),
                 lambda b=batch: hf.decode_tok_s(tok, b, args.new_tokens), "higher")
 
-    bandwidth = memory_bandwidth_gbs()
+    bandwidth = memory_bandwidth_gbs(device)
     wbytes = weight_bytes_per_token(loaded.model)
     limit = bandwidth * 1e9 / wbytes
     batch1 = next(r for r in rows if r["workload"] == "decode batch 1")["kvfence"]
     result = {
-        "model": loaded.name, "dtype": str(dtype), "threads": torch.get_num_threads(),
+        "model": loaded.name, "dtype": str(dtype), "device": torch.cuda.get_device_name() if device == "cuda" else
+        "cpu", "threads": torch.get_num_threads(),
         "rows": rows,
         "memory_bandwidth_gbs": bandwidth, "weight_bytes_per_token": wbytes,
         "decode_batch1_limit_tok_s": limit, "decode_batch1_fraction_of_limit": batch1 / limit,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "start_to_first_token_s": start_to_first_token,
     }
+    if device == "cuda":
+        result["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"\n{'workload':<22}{'kvfence':>12}{'transformers':>14}{'ratio':>8}")
@@ -174,7 +195,8 @@ def main() -> None:
         print(f"{r['workload']:<22}{r['kvfence']:>12.1f}{theirs:>14}{ratio:>8}")
     print(f"\nmemory bandwidth {bandwidth:.1f} GB/s, weights {wbytes / 1e6:.0f} MB/token -> batch-1 limit "
           f"{limit:.1f} tok/s; kvfence reaches {100 * batch1 / limit:.0f}%")
-    print(f"peak RSS {result['peak_rss_mib']:.0f} MiB (transformers loaded too: {hf is not None}), "
+    gpu = f", peak GPU memory {result['peak_gpu_memory_mib']:.0f} MiB" if device == "cuda" else ""
+    print(f"peak RSS {result['peak_rss_mib']:.0f} MiB{gpu} (transformers loaded too: {hf is not None}), "
           f"start to first token {start_to_first_token:.1f}s")
     ratios = [r["ratio"] for r in rows if r.get("ratio")] or [0]
     print(f"wrote {args.json}; median of ratios {statistics.median(ratios):.2f}x")

@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_device(args.device)
     if args.mode == "colocated":
         return serve_colocated(args)
     from kvfence.tools.audit import refuse_to_start_unless_fits
@@ -166,6 +167,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from kvfence.tools.audit import refuse_to_start_unless_fits
     from kvfence.workers.supervisor import run_worker
 
+    check_device(args.device)
     max_context = served_context(args, describe_model(args.model)[1].max_context)
     pool = args.kv_pool_tokens or default_pool_tokens(max_context, args.role)
     refuse_to_start_unless_fits(args.role, pool, args.page_size, max_context)
@@ -197,6 +199,17 @@ def serve_colocated(args: argparse.Namespace) -> int:
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+def check_device(device: str) -> None:
+    """Exit with a clear message where ``device`` cannot run (imports torch only when it is not the CPU)."""
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit(f"kvfence: --device {device}, but torch {torch.__version__} sees no CUDA GPU here (a CPU build, "
+                 "or no GPU or driver); use --device cpu")
 
 
 def dtype_of(args: argparse.Namespace):

@@ -256,7 +256,7 @@ class Bench:
 
     def __init__(self, loaded, long_prefill: int, decoders: int):
         self.model, tok = loaded.model, loaded.tokenizer
-        self.pool = KVPool(loaded.config, 700, 16, self.model.dtype)
+        self.pool = KVPool(loaded.config, 700, 16, self.model.dtype, self.model.device)
         text = tok.encode(varied_text(2000, seed=3))
         self.next_page = iter(range(700))
         ctx, chunk = text[:300], text[300:340]

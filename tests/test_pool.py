@@ -49,3 +49,21 @@ def test_landing_check_catches_each_kind_of_fault():
     assert "checksum" in check_landing(view, RID, grants, 3, transfer_checksum(sums), **good)
     off = dict(tags=False, coverage=False, checksum=False)
     assert check_landing(view, RID + 1, grants, 4, 0, **off) is None
+
+
+def test_a_staged_pool_mirrors_the_region_only_where_pages_are_copied():
+    """With the model's pages on a GPU (``staged``; forced here on CPU), the region sees a page only after
+    ``to_host``, and the model only after ``from_host``: prefill ships what it computed, decode reads what landed."""
+    layout = KVLayout.of(CFG, num_pages=4, page_size=2, dtype_bytes=4)
+    pool = KVPool(CFG, 4, 2, torch.float32, buffer=memoryview(bytearray(layout.nbytes)), staged=True)
+    assert pool.data.data_ptr() != pool.host.data_ptr()
+    pool.data[1] = 1.0
+    pool.data[2] = 2.0
+    assert not pool.region.pages[1].any()
+    pool.to_host([2])
+    assert torch.equal(pool.host[2], pool.data[2]) and not pool.host[1].any()
+    pool.host[3] = 3.0  # a transfer lands in page 3
+    pool.from_host([3, 2])
+    assert torch.equal(pool.data[3], pool.host[3]) and torch.equal(pool.data[1], torch.ones_like(pool.data[1]))
+    unstaged = KVPool(CFG, 4, 2, torch.float32, buffer=memoryview(bytearray(layout.nbytes)))
+    assert unstaged.data.data_ptr() == unstaged.host.data_ptr()  # on CPU the pool is the region itself

@@ -62,6 +62,22 @@ EXTRA = {
 }
 
 
+# SmolLM2-135M's shapes (DESIGN section 8), for speed and batch-invariance checks where its weights cannot travel
+SMOLLM2_SHAPE = dict(
+    TINY,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    initializer_range=0.02,
+    tie_word_embeddings=True,
+)
+
+
 @functools.cache
 def smollm2(dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
     """The bundled SmolLM2-135M-Instruct, loaded once per process and dtype."""
@@ -79,6 +95,14 @@ def tiny_model_dir(arch: str) -> Path:
     path = _CACHE / arch
     if not (path / "model.safetensors").exists():
         _atomic_dir(path, lambda tmp: _write_tiny_model(arch, tmp))
+    return path
+
+
+def smollm2_shaped_dir() -> Path:
+    """A random-weight bf16 Llama with SmolLM2-135M's shapes and tokenizer (created once per machine)."""
+    path = _CACHE / "smollm2-shaped"
+    if not (path / "model.safetensors").exists():
+        _atomic_dir(path, lambda tmp: _write_model(SMOLLM2_SHAPE, "llama", 7, torch.bfloat16, tmp))
     return path
 
 
@@ -120,14 +144,17 @@ def _write_tokenizer(path: Path) -> None:
 
 
 def _write_tiny_model(arch: str, path: Path) -> None:
+    _write_model({**TINY, **EXTRA[arch]}, arch, ARCHS.index(arch), torch.float32, path)
+
+
+def _write_model(params: dict, arch: str, seed: int, dtype: torch.dtype, path: Path) -> None:
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[
         arch
     ]
-    config = cls(**TINY, **EXTRA[arch])
-    torch.manual_seed(ARCHS.index(arch))
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**params), dtype=dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -153,7 +180,7 @@ def greedy(
     from kvfence.model.llama import SeqChunk
 
     total = len(ids) + max_new
-    pool = KVPool(model.config, -(-total // page_size), page_size, model.dtype)
+    pool = KVPool(model.config, -(-total // page_size), page_size, model.dtype, model.device)
     pages = list(range(pool.num_pages))
     for start in range(0, len(ids), chunk):
         logits = model.forward([SeqChunk(ids[start : start + chunk], start, pages)], pool)

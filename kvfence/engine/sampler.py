@@ -25,8 +25,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """Pick one token per row of float32 ``logits`` [B, vocab]."""
     tokens = greedy(logits)  # for all rows, overwritten below where sampling
     for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            tokens[i] = _sample_row(logits[i], p, gen)
+        if not p.greedy:  # on the CPU, where its generator is, so a seed draws alike on any device
+            tokens[i] = _sample_row(logits[i].cpu(), p, gen)
     return tokens
 
 

@@ -78,6 +78,7 @@ class DecodeWorker(WorkerBase):
         if isinstance(action, StartDecode):
             a = action.admit
             req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid)
+            self._engine.pool.from_host([g.page for g in action.grants])  # verified: what landed is what decodes
             out = self._engine.add_prefilled(req, action.grants, action.first_token)
             return self.core.engine_output(self.to_message(out), now)
         if isinstance(action, StopDecode):

@@ -125,6 +125,7 @@ class PrefillRunner(Engine):
             return
         region, layout = self.pool.region, self.pool.layout
         counts = tokens_per_page(n, ps, len(seq.grants))
+        self.pool.to_host([g.page for g in seq.grants[ship.shipped : upto]])
         segments: list[Segment] = []
         for i in range(ship.shipped, upto):
             src = seq.grants[i].page
