@@ -40,6 +40,7 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 status=0
 python3 -m pytest -q -rs -p no:cacheprovider --timeout 300 tests/test_cuda.py tests/test_pool.py tests/test_sampler.py \
     2>&1 | tee "$OUT/tests.log" || status=1
+tail -n 40 "$TMPDIR"/kvfence-serve-*.log > "$OUT/servers.log" 2>/dev/null
 model=$(python3 -c "from tests.tiny_models import smollm2_shaped_dir; print(smollm2_shaped_dir())") || exit 1
 python3 bench/decode.py --device cuda --model "$model" --rounds 3 --json "$OUT/decode_cuda.json" 2>&1 \
     | tee "$OUT/decode.log" || status=1
