@@ -11,9 +11,15 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 
 echo "kvfence setup ($extra): installing system and Python packages..." >&2
 if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    # libibverbs1: needed by the Mooncake transfer engine, even over TCP.
-    if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+    # libibverbs1: needed by the Mooncake transfer engine, even over TCP. A C compiler and Python's headers: for
+    # the C kernels (kvfence/model/*.c) and the shm copy (kvfence/transfer/shm_copy.c), else slower Python paths.
+    need=""
+    dpkg -s libibverbs1 >/dev/null 2>&1 || need="libibverbs1"
+    command -v cc >/dev/null || need="$need gcc"
+    include=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+    [ -f "$include/Python.h" ] || need="$need python3-dev"
+    if [ -n "$need" ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null
     fi
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv

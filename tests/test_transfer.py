@@ -8,10 +8,15 @@ A backend that cannot load fails its tests with the reason; none is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
+import sysconfig
 import threading
 import time
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -23,6 +28,7 @@ from kvfence.transfer import (
     TransferError,
     available,
     make_initiator,
+    shm,
 )
 from kvfence.transfer.harness import TargetProcess
 
@@ -87,11 +93,16 @@ def check_image(target: TargetProcess, mirror: np.ndarray) -> None:
     pytest.fail("digests differ but no byte does")
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+SHM_PYTHON = "shm-python"  # shm where shm_copy.c cannot be built: one memmove per segment, fcntl from Python
+
+
+@pytest.fixture(scope="module", params=[*BACKENDS, SHM_PYTHON])
 def pair(request):
-    p = Pair(request.param)
-    yield p
-    p.close()
+    python_path = request.param == SHM_PYTHON
+    with mock.patch.object(shm, "_c_copy", lambda: None) if python_path else contextlib.nullcontext():
+        p = Pair("shm" if python_path else request.param)
+        yield p
+        p.close()
 
 
 @pytest.fixture
@@ -111,6 +122,12 @@ def random_pages(rng, count: int, pages: int) -> np.ndarray:
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_backend_is_available(kind):
     require(kind)
+
+
+def test_shm_writes_in_c_where_it_builds():
+    if shutil.which("cc") is None or not Path(sysconfig.get_paths()["include"], "Python.h").exists():
+        pytest.skip("no C compiler or Python headers: shm writes take the Python path")
+    assert shm._c_copy() is not None
 
 
 def test_pages_land_where_addressed_and_nowhere_else(fresh):

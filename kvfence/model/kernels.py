@@ -17,20 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kvfence.cbuild import build
 from kvfence.model.blocks import BlockWeight
-
-log = logging.getLogger(__name__)
 
 _threads = 0  # threads of the C kernels; 0: torch's count
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
@@ -75,23 +69,10 @@ def _library() -> ctypes.CDLL | None:
     if not fits:
         return None
     source, _, flags = _FLAVOURS[fits[0]]
-    source, flags = Path(__file__).with_name(source), [*flags, *_COMMON_FLAGS]
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        log.warning("no C compiler: decode matmuls fall back to torch (slower)")
+    source = Path(__file__).with_name(source)
+    lib = build(source, [*flags, *_COMMON_FLAGS], deps=sorted(source.parent.glob("*.h")))
+    if lib is None:
         return None
-    text = b"".join(p.read_bytes() for p in [source, *sorted(source.parent.glob("*.h"))])
-    key = hashlib.sha256(text + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"kvfence-kernels-{os.getuid()}" / f"{source.stem}-{key}.so"
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            subprocess.run([cc, *flags, str(source), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as e:
-            log.warning("building %s failed (%s): decode matmuls fall back to torch (slower)", source.name, e)
-            return None
-        os.replace(tmp, lib)  # atomic: concurrent builders each publish a complete file
     so = ctypes.CDLL(str(lib))
     so.flavour = fits[0]
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

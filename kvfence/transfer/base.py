@@ -240,10 +240,8 @@ class PeerHandle:
         self._lock = threading.Lock()
         self._queue: cf.ThreadPoolExecutor | None = None
         self._tail: cf.Future | None = None
-        self._count = threading.Lock()  # guards _active and _closed (a plain lock: enter/exit are per write)
-        self._active = 0  # writes running on this peer right now
+        self._gate = threading.Lock()  # held by the write running on this peer; teardown takes it after that write
         self._closed = False
-        self._drained = threading.Event()  # set once closed and no write runs
 
     def check_usable(self) -> None:
         """Raise if an earlier transport failure poisoned this peer."""
@@ -262,6 +260,11 @@ class PeerHandle:
             self._tail = self._queue.submit(job)
             return self._tail
 
+    def idle(self) -> bool:
+        """Whether every job enqueued so far has finished."""
+        tail = self._tail
+        return tail is None or tail.done()
+
     def wait_idle(self, deadline: float) -> None:
         """Wait until every job enqueued so far has finished (its outcome is not raised here)."""
         tail = self._tail
@@ -270,28 +273,25 @@ class PeerHandle:
             if not done:
                 raise TransferTimeout("timed out waiting for earlier submitted writes to this peer")
 
-    def enter(self) -> None:
-        """Mark a write as running; refuses once the peer is closing, so teardown never races a write."""
-        with self._count:
-            if self._closed:
-                raise TransferError("peer closed")
-            self._active += 1
+    def enter(self, deadline: float) -> None:
+        """Start a write: wait (until ``deadline``) for the one running on this peer, if any, and refuse once the
+        peer is closing, so teardown never races a write. One write per peer at a time."""
+        if not self._gate.acquire(blocking=False) and not self._gate.acquire(timeout=remaining(deadline)):
+            raise TransferTimeout("timed out waiting for another write to this peer")
+        if self._closed:
+            self._gate.release()
+            raise TransferError("peer closed")
 
     def exit(self) -> None:
-        with self._count:
-            self._active -= 1
-            if self._closed and not self._active:
-                self._drained.set()
+        self._gate.release()
 
     def shutdown(self) -> None:
-        """Refuse new writes, cancel queued ones, and wait for running ones (each bounded by its timeout)."""
-        with self._count:
-            self._closed = True
-            if not self._active:
-                self._drained.set()
+        """Refuse new writes, cancel queued ones, and wait for the running one (bounded by its timeout)."""
+        self._closed = True
         if self._queue is not None:
             self._queue.shutdown(wait=True, cancel_futures=True)
-        self._drained.wait()
+        with self._gate:
+            pass
 
 
 class KVInitiator(ABC):
@@ -389,9 +389,11 @@ class KVInitiator(ABC):
 
     def _run(self, peer: PeerHandle, plan: Plan, deadline: float) -> None:
         peer.check_usable()
-        peer.enter()
+        peer.enter(deadline)
         try:
             self._write(peer, plan, deadline)
+        except SegmentError:  # the caller's mistake, not the peer's
+            raise
         except TransferError as e:
             peer.poison(e)
             raise

@@ -19,14 +19,31 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
+import importlib.util
 import logging
 import mmap
 import os
 import struct
+import sysconfig
+import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
 
-from kvfence.transfer.base import KVInitiator, KVTarget, PeerHandle, Plan, Region, TransferError
+from kvfence.cbuild import build
+from kvfence.transfer.base import (
+    KVInitiator,
+    KVTarget,
+    PeerHandle,
+    Plan,
+    Region,
+    Segment,
+    TransferError,
+    plan_segments,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_DIR = "/dev/shm"
@@ -138,8 +155,12 @@ class ShmPeer(PeerHandle):
     def ensure_alive(self) -> None:
         """Raise ``TransferError`` unless the target still holds its lock."""
         if not _locked(self.fd):
-            Path(self.path).unlink(missing_ok=True)  # a dead target cannot clean up after itself
-            raise TransferError(f"shm target {self.path} (pid {self.descriptor.get('pid')}) closed or died")
+            self.gone()
+
+    def gone(self) -> NoReturn:
+        """The target's lock is free: it closed or died. Raises ``TransferError``."""
+        Path(self.path).unlink(missing_ok=True)  # a dead target cannot clean up after itself
+        raise TransferError(f"shm target {self.path} (pid {self.descriptor.get('pid')}) closed or died")
 
     def unmap(self) -> None:
         self._anchor = None
@@ -147,10 +168,39 @@ class ShmPeer(PeerHandle):
         os.close(self.fd)
 
 
+@functools.cache
+def _c_copy() -> ModuleType | None:
+    """``shm_copy.c`` built as a Python module (checks, copies and the lock query in one call), or None where it
+    cannot be built here or ``KVFENCE_SHM_C=0``: then the writes take the Python path, the same bytes slower."""
+    if os.environ.get("KVFENCE_SHM_C", "1") == "0":
+        return None
+    include = sysconfig.get_paths()["include"]
+    if not Path(include, "Python.h").exists():
+        log.info("shm: no Python headers at %s (python3-dev), so writes take the Python path", include)
+        return None
+    path = build(Path(__file__).with_name("shm_copy.c"), ["-O2", "-shared", "-fPIC", f"-I{include}"],
+                 suffix=sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+    if path is None:
+        return None
+    spec = importlib.util.spec_from_file_location("_kvf_shm_copy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 class Initiator(KVInitiator):
-    """Copies with one ``memmove`` per coalesced segment (GIL released), straight into the target's pages."""
+    """Copies straight into the target's pages: one call into ``shm_copy.c`` per write (segments checked, copied
+    in order, then the liveness query), or where that is not built one ``memmove`` per coalesced segment."""
 
     kind = "shm"
+
+    def write(self, peer: PeerHandle, segments: Sequence[Segment], timeout: float | None = None) -> None:
+        """As ``KVInitiator.write``. With nothing submitted to ``peer`` still pending and the C copy built, the
+        segments go to it unplanned (it checks them as ``plan_segments`` does and copies nothing if one fails):
+        a 64 KiB write then costs ~0.5 us more than a bare memcpy instead of ~2 us."""
+        if _c_copy() is None or not isinstance(segments, (list, tuple)) or not peer.idle():
+            return super().write(peer, segments, timeout)
+        self._run(peer, segments, time.monotonic() + (self.timeout if timeout is None else timeout))
 
     def _connect(self, descriptor: dict) -> PeerHandle:
         path, nbytes = descriptor["path"], int(descriptor["nbytes"])
@@ -176,9 +226,18 @@ class Initiator(KVInitiator):
     def _write(self, peer: PeerHandle, plan: Plan, deadline: float) -> None:
         assert isinstance(peer, ShmPeer)
         src_base, dst_base = self.region.address, peer.address
-        for src, dst, n in plan:
-            ctypes.memmove(dst_base + dst, src_base + src, n)
-        peer.ensure_alive()  # the copy landed in a mapping the target still owns
+        c_copy = _c_copy()
+        if c_copy is None:
+            for src, dst, n in plan:
+                ctypes.memmove(dst_base + dst, src_base + src, n)
+            peer.ensure_alive()  # the copy landed in a mapping the target still owns
+            return
+        alive = c_copy.copy(dst_base, src_base, plan, self.nbytes, peer.nbytes, peer.fd)
+        if alive < 0:  # a segment failed the checks; nothing was copied
+            plan_segments(plan, self.nbytes, peer.nbytes)  # raises SegmentError, with its message
+            raise AssertionError("shm_copy.c refused segments that plan_segments accepts")
+        if not alive:
+            peer.gone()
 
     def _disconnect(self, peer: PeerHandle) -> None:
         assert isinstance(peer, ShmPeer)
