@@ -152,10 +152,18 @@ def variants(
     page: int,
 ) -> dict[str, Op]:
     paged = paged_segments(size, page, np.random.default_rng(size))
+    lists: dict[int, list[tuple[int, int, int]]] = {}  # per offset, built once (outside the later rounds' timing)
+
+    def paged_at(off: int) -> list[tuple[int, int, int]]:
+        segs = lists.get(off)
+        if segs is None:
+            segs = lists[off] = [(s + off, d + off, n) for s, d, n in paged]
+        return segs
+
     out: dict[str, Op] = {
         "memcpy": memcpy_op(*memcpy, size),
         "write": lambda off: ini.write(peer, [(off, off, size)]),
-        "paged": lambda off: ini.write(peer, [(s + off, d + off, n) for s, d, n in paged]),
+        "paged": lambda off: ini.write(peer, paged_at(off)),
     }
     if raw is not None:
         out["raw"] = raw(size)
