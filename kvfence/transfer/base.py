@@ -21,7 +21,8 @@ Contracts every backend keeps (``tests/test_transfer.py`` checks them all):
   sent; network targets check again on their side.
 - Writes ``submit``-ted to one peer run one at a time in submission order; a
   ``write`` on a peer first waits for that peer's earlier submissions. Writes
-  from different threads (or to different peers) may run concurrently.
+  to one peer from different threads take turns; writes to different peers
+  may run concurrently.
 - After a transport failure a ``PeerHandle`` is poisoned: every later write on
   it fails fast. ``connect`` with the same descriptor builds a fresh one.
 - Regions are never unmapped under a live view: ``torch.frombuffer`` keeps a

@@ -14,8 +14,8 @@ with ``recvmsg_into`` directly into memoryview slices of the region: no
 intermediate copy. The target id in the hello makes a stale descriptor (a new
 target that reused the port) fail instead of writing into the wrong pool.
 
-Initiators keep a small pool of connections per peer, so writes from several
-threads to one target run in parallel. A connection that fails is closed.
+Initiators keep their connections to a peer for the next write (writes to one
+peer take turns, see ``PeerHandle.enter``). A connection that fails is closed.
 """
 
 from __future__ import annotations
