@@ -186,6 +186,8 @@ def main() -> None:
     }
     if device == "cuda":
         result["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        backend = loaded.model.decode_backend
+        result["decode_attention"] = f"one {backend.name} call per group" if backend else "one call per sequence"
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"\n{'workload':<22}{'kvfence':>12}{'transformers':>14}{'ratio':>8}")
@@ -195,7 +197,8 @@ def main() -> None:
         print(f"{r['workload']:<22}{r['kvfence']:>12.1f}{theirs:>14}{ratio:>8}")
     print(f"\nmemory bandwidth {bandwidth:.1f} GB/s, weights {wbytes / 1e6:.0f} MB/token -> batch-1 limit "
           f"{limit:.1f} tok/s; kvfence reaches {100 * batch1 / limit:.0f}%")
-    gpu = f", peak GPU memory {result['peak_gpu_memory_mib']:.0f} MiB" if device == "cuda" else ""
+    gpu = (f", peak GPU memory {result['peak_gpu_memory_mib']:.0f} MiB, decode attention: "
+           f"{result['decode_attention']}" if device == "cuda" else "")
     print(f"peak RSS {result['peak_rss_mib']:.0f} MiB{gpu} (transformers loaded too: {hf is not None}), "
           f"start to first token {start_to_first_token:.1f}s")
     ratios = [r["ratio"] for r in rows if r.get("ratio")] or [0]

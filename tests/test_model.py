@@ -311,6 +311,18 @@ def test_batch_invariance_fp32(f32):
     check_invariance(f32, long_prefill=400, decoders=15)
 
 
+def test_a_decode_attention_backend_is_chosen_only_if_batched_calls_agree():
+    """The GPU path's probe, run here on the CPU: whichever backend it picks must give every sequence of a group
+    the bits it gets alone, on inputs it did not probe."""
+    from torch.nn.attention import sdpa_kernel
+
+    backend = invariant.decode_attention_backend(3, 3, 64, torch.float32, "cpu")
+    if backend is None:
+        return  # none agreed: one call per sequence, which is invariant by construction
+    with sdpa_kernel(backend):
+        assert invariant._decode_calls_agree(64, 3, 3, 64, 513, torch.float32, "cpu", torch.Generator().manual_seed(9))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matmul_rows_do_not_depend_on_the_call(dtype):
     """Every row of ``invariant.matmul`` equals that row computed alone, for M from 1 to 2100 (model shapes)."""

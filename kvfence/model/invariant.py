@@ -179,3 +179,42 @@ def _big_sizes(
 def _verified_big(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, small_max: int, max_rows: int, cols: int):
     fits = (c for c in BIG_CANDIDATES if small_max < c <= max_rows)
     return tuple(c for c in fits if torch.equal(_call(x[:c], w, cols=cols), ref[:c]))
+
+
+# Decode attention: one SDPA call for a group of same-length sequences (one query per head each) instead of one
+# call per sequence, where a backend proves batch-invariant. Flash-style kernels may split the keys by how many
+# (batch, head) problems fill the device, which changes a row's reduction order with the group size.
+DECODE_GROUPS = (2, 3, 8, 31, 64)
+DECODE_LENGTHS = (1, 37, 300, 1100, 2100)
+
+
+def decode_attention_backend(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: str):
+    """The first SDPA backend (flash, memory-efficient, cuDNN, math) under which every sequence of a batched decode
+    call ``q [n, KV, G, D]`` over ``k, v [n, KV, S, D]`` gets the bits it gets in a call of its own, for the group
+    sizes and lengths above; None if none does (callers then make one call per sequence)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    n = max(DECODE_GROUPS)
+    candidates = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                  SDPBackend.MATH)
+    for backend in candidates:
+        try:
+            with sdpa_kernel(backend):
+                if all(_decode_calls_agree(n, kv_heads, group, head_dim, s, dtype, device, gen)
+                       for s in DECODE_LENGTHS):
+                    log.info("decode attention: one %s call per group of same-length sequences", backend.name)
+                    return backend
+        except RuntimeError:  # this backend does not take these inputs here
+            continue
+    return None
+
+
+def _decode_calls_agree(n: int, kv_heads: int, group: int, head_dim: int, length: int, dtype: torch.dtype,
+                        device: str, gen: torch.Generator) -> bool:
+    q = torch.randn(n, kv_heads, group, head_dim, generator=gen).to(device, dtype)
+    k, v = (torch.randn(n, kv_heads, length, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    alone = torch.cat([sdpa(q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i in range(n)])
+    return all(torch.equal(sdpa(q[:m], k[:m], v[:m]), alone[:m]) for m in DECODE_GROUPS)
+

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from kvfence.config import ModelConfig
 from kvfence.kvcache.pool import KVPool
@@ -125,6 +126,10 @@ class Model:
                              and kernels.prefill_attention_fits(config.num_heads, config.num_kv_heads, config.head_dim))
         if not self.c_gemm:
             self.calibrate()
+        # on a GPU, one attention call per group of same-length decode rows where a backend proves batch-invariant
+        self.decode_backend = (invariant.decode_attention_backend(
+            config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim, self.dtype,
+            str(self.device)) if self.device.type == "cuda" else None)
         # per layer (qkv, o, gate_up, down): the C matmul entry of each weight, checked once (``_forward_c``); they
         # hold raw pointers, so a layer's weights are never replaced after construction
         self._gemm_entries = [tuple(kernels.gemm_entry(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -299,10 +304,15 @@ class Model:
         G = H / KV query heads sharing a K/V head are that call's G queries (no causal mask: all sit at the last
         position). One call per sequence because a call over several is not batch-invariant on every CPU (torch
         2.13 on an AVX2 host: a sequence's row changed with the group size at every length in fp32, and at 1,024
-        positions x 32 sequences in bf16)."""
+        positions x 32 sequences in bf16); on a GPU, one call for the group where ``decode_backend`` is a backend
+        that proved batch-invariant at load."""
         cfg, n = self.config, a.group
         KV, D = cfg.num_kv_heads, cfg.head_dim
         q, kv = q.view(n, KV, -1, D), kv.view(n, -1, 2, KV, D)  # [n, KV, G, D], [n, S, 2, KV, D]
+        if self.decode_backend is not None:  # verified batch-invariant at load (``decode_attention_backend``)
+            with sdpa_kernel(self.decode_backend):
+                out = F.scaled_dot_product_attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2))
+            return out.reshape(n, -1)
         out = q.new_empty(q.shape)
         for i in range(n):
             k, v = kv[i : i + 1, :, 0].transpose(1, 2), kv[i : i + 1, :, 1].transpose(1, 2)  # [1, KV, S, D]
