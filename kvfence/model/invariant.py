@@ -219,4 +219,3 @@ def _decode_calls_agree(n: int, kv_heads: int, group: int, head_dim: int, length
     sdpa = torch.nn.functional.scaled_dot_product_attention
     alone = torch.cat([sdpa(q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i in range(n)])
     return all(torch.equal(sdpa(q[:m], k[:m], v[:m]), alone[:m]) for m in DECODE_GROUPS)
-
