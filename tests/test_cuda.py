@@ -1,5 +1,5 @@
-"""The CUDA path (``--device cuda``): the forward against transformers, batch invariance, the engine and the
-colocated server on a GPU. Skipped where torch sees no GPU (CI, this project's CPU machines);
+"""The CUDA path (``--device cuda``): the forward against transformers, batch invariance, the engine, and the
+colocated and disaggregated servers on a GPU. Skipped where torch sees no GPU (CI, this project's CPU machines);
 ``scripts/cuda_check.sh`` runs them on one. The float32 comparisons turn TF32 off, so cuBLAS computes in full
 float32 like the reference.
 
