@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA check: tests/test_cuda.py (forward against transformers, batch invariance, engine, colocated and
-# disaggregated servers through the openai client), then bench/decode.py --device cuda on a random-weight model
-# with SmolLM2-135M's shapes. Logs and JSON go to $OUT (default /tmp/kvfence-cuda-check).
+# disaggregated servers through the openai client), bench/decode.py --device cuda on a random-weight model with
+# SmolLM2-135M's shapes, and bench/serve.py --compare (colocated vs disaggregated serving on the GPU, issue #7's
+# workload at concurrency 1, 16 and 32). Logs and JSON go to $OUT (default /tmp/kvfence-cuda-check).
 #
 #   bash scripts/cuda_check.sh --prepare   # here, on a CPU host: wheels for what the GPU image lacks (.whl/), and
 #                                          # SmolLM2's tokenizer files (.devcheck/), which need the bundled GGUF
-#   bash scripts/cuda_check.sh             # there, on the GPU host, with those two folders beside the code
+#   bash scripts/cuda_check.sh [tests] [decode] [serve]   # there, on the GPU host (default: all three), with
+#                                          # those two folders beside the code
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvfence-cuda-check}
@@ -37,11 +39,21 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
+parts=${*:-tests decode serve}
 status=0
-python3 -m pytest -q -rs -p no:cacheprovider --timeout 300 tests/test_cuda.py tests/test_pool.py tests/test_sampler.py \
-    2>&1 | tee "$OUT/tests.log" || status=1
-tail -n 40 "$TMPDIR"/kvfence-serve-*.log > "$OUT/servers.log" 2>/dev/null
+if [[ " $parts " == *" tests "* ]]; then
+    python3 -m pytest -q -rs -p no:cacheprovider --timeout 300 tests/test_cuda.py tests/test_pool.py \
+        tests/test_sampler.py 2>&1 | tee "$OUT/tests.log" || status=1
+    tail -n 40 "$TMPDIR"/kvfence-serve-*.log > "$OUT/servers.log" 2>/dev/null
+fi
 model=$(python3 -c "from tests.tiny_models import smollm2_shaped_dir; print(smollm2_shaped_dir())") || exit 1
-python3 bench/decode.py --device cuda --model "$model" --rounds 3 --json "$OUT/decode_cuda.json" 2>&1 \
-    | tee "$OUT/decode.log" || status=1
+if [[ " $parts " == *" decode "* ]]; then
+    python3 bench/decode.py --device cuda --model "$model" --rounds 3 --json "$OUT/decode_cuda.json" 2>&1 \
+        | tee "$OUT/decode.log" || status=1
+fi
+if [[ " $parts " == *" serve "* ]]; then
+    python3 bench/serve.py --compare --server-args "--device cuda --model $model" --concurrency 1 16 32 \
+        --repeats 1 --json "$OUT/serve_cuda.json" 2>&1 | tee "$OUT/serve.log" || status=1
+    tail -n 30 "$TMPDIR"/kvfence-serve-*.log >> "$OUT/servers.log" 2>/dev/null
+fi
 exit $status
