@@ -176,8 +176,8 @@ def main() -> None:
     limit = bandwidth * 1e9 / wbytes
     batch1 = next(r for r in rows if r["workload"] == "decode batch 1")["kvfence"]
     result = {
-        "model": loaded.name, "dtype": str(dtype), "device": torch.cuda.get_device_name() if device == "cuda" else
-        "cpu", "threads": torch.get_num_threads(),
+        "model": loaded.name, "dtype": str(dtype), "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "rows": rows,
         "memory_bandwidth_gbs": bandwidth, "weight_bytes_per_token": wbytes,
         "decode_batch1_limit_tok_s": limit, "decode_batch1_fraction_of_limit": batch1 / limit,

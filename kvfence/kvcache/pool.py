@@ -41,8 +41,8 @@ class KVPool:
             raw = torch.frombuffer(buffer, dtype=torch.uint8, count=self.layout.tags_offset)
             self.host = raw.view(dtype).view(shape)
         self.staged = self.host is not None and (not on_cpu if staged is None else staged)
-        self.data = self.host if self.host is not None and not self.staged else torch.empty(shape, dtype=dtype,
-                                                                                              device=device)
+        on_host = self.host is not None and not self.staged
+        self.data = self.host if on_host else torch.empty(shape, dtype=dtype, device=device)
 
     def to_host(self, pages: list[int]) -> None:
         """Copy ``pages`` from ``data`` into the region (staged pools; otherwise they are the same bytes)."""
