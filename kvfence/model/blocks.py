@@ -11,6 +11,9 @@ the GGUF's order).
 gives (and that the ``gguf`` package's own dequantize gives), so a model that keeps its blocks computes the same
 bits as one dequantized at load while reading 3.2x (Q4_1) or 1.9x (Q8_0) fewer weight bytes per step.
 The model keeps blocks only where the C kernels run (``Model.from_state_dict``).
+
+``DecodeBlocks`` holds the same blocks regrouped 16 rows at a time for the int8 kernel that one-token chunks
+(decode rows) use where AMX is present (``kernels.gemm`` on it; its arithmetic is in ``decode_gemm.c``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # fp16 d, (Q4_1: fp16 m, 16 bytes of nibbles | Q8_0: 32 int8)
+GROUP = 16  # weight rows per group of DecodeBlocks
+GROUP_BLOCK_BYTES = {"Q4_1": 320, "Q8_0": 576}  # one block of a group's 16 rows (decode_gemm.c's layout)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,51 @@ class BlockWeight:
         else:
             w = d * self.rows[:, 2 * nb :].contiguous().view(torch.int8).reshape(n, nb, BLOCK).float()
         return w.reshape(n, k)
+
+
+@dataclass(frozen=True)
+class DecodeBlocks:
+    """An ``[N, K]`` block weight as ``data``: uint8 ``[N / 16, K / 32 * GROUP_BLOCK_BYTES[fmt]]``, one row per
+    group of 16 weight rows; per block of the group, Q4_1: the rows' 16 fp16 d, 16 fp16 m, then 4 x 64 bytes
+    (vector p, lane r, byte i: row r's weight 8p + i in the low nibble, 8p + 4 + i in the high one); Q8_0: 16 fp16
+    d, 16 int16 row sums of the values, then 8 x 64 bytes (vector j, lane r, byte i: row r's weight 4j + i)."""
+
+    fmt: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def from_blocks(cls, w: BlockWeight) -> DecodeBlocks:
+        n, k = w.shape
+        if n % GROUP:
+            raise ValueError(f"DecodeBlocks need rows in groups of {GROUP}, got {n}")
+        nb, g = k // BLOCK, n // GROUP
+        rows = w.rows.numpy()
+
+        def by_group(field: np.ndarray) -> np.ndarray:  # [N, nb, c] -> [g, nb, 16 c]: a block's rows together
+            c = field.shape[-1]
+            return field.reshape(g, GROUP, nb, c).transpose(0, 2, 1, 3).reshape(g, nb, GROUP * c)
+
+        d = by_group(rows[:, : 2 * nb].reshape(n, nb, 2))
+        if w.fmt == "Q4_1":
+            m = by_group(rows[:, 2 * nb : 4 * nb].reshape(n, nb, 2))
+            q = _unpair_nibbles(w.rows[:, 4 * nb :], nb).numpy().reshape(g, GROUP, nb, 4, 2, 4)  # g r b p half i
+            packed = (q[..., 0, :] | (q[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4).reshape(g, nb, 256)
+            fields = [d, m, packed]
+        else:
+            q = rows[:, 2 * nb :].view(np.int8).reshape(g, GROUP, nb, 8, 4)  # g r b j i
+            sums = q.sum(axis=(3, 4), dtype=np.int16).transpose(0, 2, 1)  # [g, nb, 16]
+            quads = q.transpose(0, 2, 3, 1, 4).reshape(g, nb, 512).view(np.uint8)
+            fields = [d, np.ascontiguousarray(sums).view(np.uint8), quads]
+        data = np.concatenate(fields, axis=-1).reshape(g, -1)
+        return cls(w.fmt, torch.empty(data.shape, dtype=torch.uint8).copy_(torch.from_numpy(data)), (n, k))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def data_ptr(self) -> int:
+        return self.data.data_ptr()
 
 
 def _pair_nibbles(qs: np.ndarray) -> np.ndarray:

@@ -389,6 +389,193 @@ void kvf_gemm_amx_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int f
     gemm_amx(x, ldx, w, fmt, K, y, ldy, M, N, K, nthreads);
 }
 
+/* ---- decode rows on int8: GGUF blocks against x quantized per block -------------------------------------------
+ *
+ * A one-token chunk (a decode row) multiplies block weights without expanding them. Each 32-value block of an x
+ * row becomes int8: amax = max |x|, q = round-half-even(x * (127 / amax)), dx = amax / 127, sx = dx * sum(q)
+ * (all zero when amax is 0). Per block, isum = sum q_x q_w is an exact integer; then, blocks ascending from 0,
+ *     acc = fma(float(isum), d dx, acc)  and for Q4_1  acc = fma(m, sx, acc),
+ * and y = bf16(acc). Integer sums are exact in any order, so the vector (VNNI) path below 16 rows and the tile
+ * (AMX int8) path from 16 rows give the same bits: a row is a function of its own x and w, as in the bf16 kernel.
+ * The arithmetic differs from the bf16 expansion's, so longer chunks (prefill) keep that kernel: a row's kernel
+ * follows from its chunk's length, never from the batch.
+ *
+ * Weights in groups of 16 rows (``blocks.py: DecodeBlocks``); per group, per block, 64-byte aligned:
+ *   Q4_1 (320 bytes): 16 fp16 d, 16 fp16 m, then 4 x 64 bytes: vector p, lane r, byte i holds row r's weight
+ *                     8p + i in its low nibble and 8p + 4 + i in its high nibble;
+ *   Q8_0 (576 bytes): 16 fp16 d, 16 int16 row sums of q, then 8 x 64 bytes: vector j, lane r, byte i = row r's
+ *                     weight 4j + i.
+ * So vector j (unpacked) holds k = 4j .. 4j + 3 of all 16 rows: one VNNI operand, or one row of an AMX B tile.
+ */
+static inline __m512 load_f32(const uint16_t *p) { /* 16 bf16 -> fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+enum { Q41_GROUP_BLOCK = 320, Q80_GROUP_BLOCK = 576, Q8_TILE_ROWS = 16 };
+
+/* x rows -> qx (int8 [M][K]), xu = qx + 128 as uint8 (Q8_0's VNNI operand), dx and sx ([M][K / 32]). */
+static void quantize_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int8_t *qx, uint8_t *xu, float *dx,
+                          float *sx) {
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 lo = load_f32(x + m * ldx + 32 * b), hi = load_f32(x + m * ldx + 32 * b + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const __m512 scale = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)); /* nearest even (MXCSR default) */
+            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
+            const __m256i q = _mm256_set_m128i(_mm512_cvtepi32_epi8(qhi), _mm512_cvtepi32_epi8(qlo));
+            _mm256_storeu_si256((__m256i *)(qx + m * K + 32 * b), q);
+            _mm256_storeu_si256((__m256i *)(xu + m * K + 32 * b), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
+            dx[m * nb + b] = amax / 127.0f;
+            sx[m * nb + b] = dx[m * nb + b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        }
+}
+
+static inline void q41_unpack(const uint8_t *gb, __m512i w[8]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int p = 0; p < 4; p++) {
+        const __m512i v = _mm512_loadu_si512(gb + 64 + 64 * p);
+        w[2 * p] = _mm512_and_si512(v, low);
+        w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+}
+
+/* isum of 16 weight rows against one x block: 8 quads, in four chains (integer adds: any order is exact). */
+static inline __m512i dot_quads(const __m512i w[8], const int32_t *xq, int signed_w) {
+    __m512i s[4];
+    for (int j = 0; j < 4; j++)
+        s[j] = signed_w ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(xq[j]), w[j])
+                        : _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], _mm512_set1_epi32(xq[j]));
+    for (int j = 4; j < 8; j++)
+        s[j - 4] = signed_w ? _mm512_dpbusd_epi32(s[j - 4], _mm512_set1_epi32(xq[j]), w[j])
+                            : _mm512_dpbusd_epi32(s[j - 4], w[j], _mm512_set1_epi32(xq[j]));
+    return _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3]));
+}
+
+typedef struct {
+    const int8_t *qx;
+    const uint8_t *xu;
+    const float *dx, *sx;
+    int64_t K, nb;
+} quantized_x;
+
+/* One block's isum (16 lanes: weight rows) -> acc, in the order of the contract above. */
+static inline __m512 scale_block(__m512 acc, __m512i isum, const uint8_t *gb, int fmt, const quantized_x *x,
+                                 int64_t m, int64_t b) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
+    const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(x->dx[m * x->nb + b]));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, acc);
+    if (fmt == FMT_Q4_1)
+        acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32))),
+                              _mm512_set1_ps(x->sx[m * x->nb + b]), acc);
+    return acc;
+}
+
+/* Rows [m0, m0 + rows) (rows <= 4) against one group, on vectors. */
+static void q8_group_vnni(const uint8_t *wg, int fmt, const quantized_x *x, int64_t m0, int rows, __m512 *acc) {
+    const int64_t gbytes = fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < x->nb; b++) {
+        const uint8_t *gb = wg + b * gbytes;
+        __m512i w[8];
+        if (fmt == FMT_Q4_1) q41_unpack(gb, w);
+        else for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(gb + 64 + 64 * j);
+        for (int r = 0; r < rows; r++) {
+            const int64_t m = m0 + r;
+            __m512i isum;
+            if (fmt == FMT_Q4_1) isum = dot_quads(w, (const int32_t *)(x->qx + m * x->K + 32 * b), 0);
+            else /* (q + 128) . w - 128 sum(w) */
+                isum = _mm512_sub_epi32(dot_quads(w, (const int32_t *)(x->xu + m * x->K + 32 * b), 1),
+                    _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(gb + 32))), 7));
+            acc[r] = scale_block(acc[r], isum, gb, fmt, x, m, b);
+        }
+    }
+}
+
+static void configure_int8_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    cfg.rows[0] = 16, cfg.colsb[0] = 64; /* C: 16 x rows x 16 weight rows, int32 */
+    cfg.rows[1] = 16, cfg.colsb[1] = 32; /* A: 16 x rows x one block of int8 */
+    cfg.rows[2] = 8, cfg.colsb[2] = 64;  /* B: 8 quads x 16 weight rows x 4 bytes */
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows [m0, m0 + 16) against one group, on tiles: each block's isum on the tile unit, then scaled as above.
+ * unpacked: the group's B tiles (Q4_1 unpacked to bytes; Q8_0's are the weights as stored). */
+static void q8_group_amx(const uint8_t *wg, int fmt, const uint8_t *unpacked, const quantized_x *x, int64_t m0,
+                         __m512 acc[16]) {
+    const int64_t gbytes = fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
+    int32_t c[256] __attribute__((aligned(64)));
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < x->nb; b++) {
+        const uint8_t *gb = wg + b * gbytes;
+        _tile_zero(0);
+        _tile_loadd(1, x->qx + m0 * x->K + 32 * b, x->K);
+        if (fmt == FMT_Q4_1) {
+            _tile_loadd(2, unpacked + b * 512, 64);
+            _tile_dpbsud(0, 1, 2);
+        } else {
+            _tile_loadd(2, gb + 64, 64);
+            _tile_dpbssd(0, 1, 2);
+        }
+        _tile_stored(0, c, 64);
+        for (int r = 0; r < 16; r++)
+            acc[r] = scale_block(acc[r], _mm512_load_si512(c + 16 * r), gb, fmt, x, m0 + r, b);
+    }
+}
+
+static inline void store_row_bf16(__m512 acc, uint16_t *y) {
+    _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(acc));
+}
+
+/* y = x w^T for w as N / 16 groups of K / 32 blocks (FMT_Q4_1 or FMT_Q8_0): the contract above. N % 16 == 0 and
+ * K % 32 == 0 (the caller checks). Threads split the groups. */
+void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy, int64_t M,
+                 int64_t N, int64_t K, int nthreads) {
+    const int64_t nb = K / 32, groups = N / 16, gbytes = nb * (fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK);
+    const int tiles = M >= Q8_TILE_ROWS;
+    const int64_t Mp = tiles ? (M + 15) / 16 * 16 : M; /* tile rows past M are zero */
+    int8_t *qx = aligned_alloc(64, (Mp * K + 63) / 64 * 64);
+    uint8_t *xu = aligned_alloc(64, (Mp * K + 63) / 64 * 64);
+    float *dx = calloc(Mp * nb, sizeof(float)), *sx = calloc(Mp * nb, sizeof(float));
+    memset(qx, 0, Mp * K);
+    quantize_rows(x, ldx, M, K, qx, xu, dx, sx);
+    const quantized_x qxs = {qx, xu, dx, sx, K, nb};
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *unpacked = tiles && fmt == FMT_Q4_1 ? aligned_alloc(64, nb * 512) : NULL;
+        if (tiles) configure_int8_tiles();
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *wg = w + g * gbytes;
+            __m512 acc[16];
+            if (tiles) {
+                if (unpacked)
+                    for (int64_t b = 0; b < nb; b++) {
+                        __m512i v[8];
+                        q41_unpack(wg + b * Q41_GROUP_BLOCK, v);
+                        for (int j = 0; j < 8; j++) _mm512_store_si512(unpacked + b * 512 + 64 * j, v[j]);
+                    }
+                for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                    q8_group_amx(wg, fmt, unpacked, &qxs, m0, acc);
+                    for (int r = 0; r < 16 && m0 + r < M; r++) store_row_bf16(acc[r], y + (m0 + r) * ldy + 16 * g);
+                }
+            } else
+                for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                    const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
+                    q8_group_vnni(wg, fmt, &qxs, m0, rows, acc);
+                    for (int r = 0; r < rows; r++) store_row_bf16(acc[r], y + (m0 + r) * ldy + 16 * g);
+                }
+        }
+        if (tiles) _tile_release();
+        free(unpacked);
+    }
+    free(qx), free(xu), free(dx), free(sx);
+}
+
 /* ---- decode attention straight from the pool -----------------------------------------------------------------
  *
  * One task per (sequence, KV head): its G = H / KV queries against the sequence's own slots, scores, softmax and
@@ -415,9 +602,6 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __m512 load_f32(const uint16_t *p) { /* 16 bf16 -> fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 
 /* A task reads one head's 2 D bytes of each slot: a stride the hardware prefetchers do not follow, so the loops
  * fetch the position 8 ahead themselves (1.3-1.6x at 16-32 sequences of 300-1,000 tokens, one thread). */

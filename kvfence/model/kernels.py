@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kvfence.cbuild import build
-from kvfence.model.blocks import BlockWeight
+from kvfence.model.blocks import BlockWeight, DecodeBlocks
 
 _threads = 0  # threads of the C kernels; 0: torch's count
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
@@ -32,7 +32,8 @@ _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 # KVFENCE_KERNELS names one (tests use it to check the AVX2 source on an AVX-512 host)
 _FLAVOURS = {
     "avx512": ("decode_gemm.c", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"),
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mamx-tile", "-mamx-bf16"]),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mamx-tile", "-mamx-bf16",
+                "-mavx512vnni", "-mamx-int8"]),
     "avx2": ("decode_avx2.c", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 }
 _FORMAT_IDS = {"Q4_1": 1, "Q8_0": 2}  # decode_gemm.c's FMT_*
@@ -86,6 +87,11 @@ def _library() -> ctypes.CDLL | None:
         so.gemm_blocks.restype = None
         so.kvf_expand_rows.argtypes = [ptr, ctypes.c_int, ptr, i64, i64, ptr]
         so.kvf_expand_rows.restype = None
+    # decode rows of block weights in int8 (VNNI, and AMX int8 from 16 rows): ``DecodeBlocks``
+    so.q8 = so.amx and _cpu_has("amx_int8", "avx512_vnni")
+    if so.q8:
+        so.kvf_gemm_q8.argtypes = so.gemm_blocks.argtypes
+        so.kvf_gemm_q8.restype = None
     if so.amx:  # the entry points on tiles
         so.kvf_gemm_amx.argtypes = so.kvf_gemm_bf16.argtypes
         so.kvf_gemm_amx.restype = None
@@ -129,15 +135,25 @@ def blocks_supported() -> bool:
     return lib is not None and lib.gemm_blocks is not None
 
 
+def decode_blocks_supported() -> bool:
+    """Whether ``gemm`` takes ``DecodeBlocks`` here (AVX512-VNNI and AMX int8)."""
+    lib = _library()
+    return lib is not None and lib.q8
+
+
 GemmEntry = tuple[Callable[..., None], int, int]
 
 
-def gemm_entry(w: torch.Tensor | BlockWeight, amx: bool | None = None) -> GemmEntry:
+def gemm_entry(w: torch.Tensor | BlockWeight | DecodeBlocks, amx: bool | None = None) -> GemmEntry:
     """``(fn, w_ptr, arg)`` such that ``fn(x_ptr, ldx, w_ptr, arg, y_ptr, ldy, M, N, K, threads)`` computes
     ``gemm(x, w)`` into y (bf16 rows of unit column stride, y's rows of stride ldy); w is checked here, once.
     ``w`` must outlive the entry."""
     lib = _library()
     N, K = w.shape
+    if isinstance(w, DecodeBlocks):
+        if not lib.q8:
+            raise ValueError("DecodeBlocks need AVX512-VNNI and AMX int8")
+        return lib.kvf_gemm_q8, w.data_ptr(), _FORMAT_IDS[w.fmt]
     if isinstance(w, BlockWeight):
         if lib.gemm_blocks is None or (lib.amx and N % 16):
             raise ValueError("block weights need AMX (with N % 16 == 0) or the AVX2 kernels")
@@ -148,9 +164,10 @@ def gemm_entry(w: torch.Tensor | BlockWeight, amx: bool | None = None) -> GemmEn
     return fn, w.data_ptr(), K
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor | BlockWeight, amx: bool | None = None) -> torch.Tensor:
+def gemm(x: torch.Tensor, w: torch.Tensor | BlockWeight | DecodeBlocks, amx: bool | None = None) -> torch.Tensor:
     """``x [M, K] @ w [N, K].T -> [M, N]`` in bfloat16 on CPU; rows of x may have any row stride. ``w`` may be a
-    ``BlockWeight`` (where ``blocks_supported()``): the same bits as its bf16 dequantization gives."""
+    ``BlockWeight`` (where ``blocks_supported()``): the same bits as its bf16 dequantization gives; or
+    ``DecodeBlocks`` (where ``decode_blocks_supported()``): x quantized to int8 per block (``decode_gemm.c``)."""
     M, K = x.shape
     N = w.shape[0]
     if x.dtype != torch.bfloat16 or x.stride(1) != 1 or w.shape[1] != K:

@@ -38,7 +38,7 @@ from torch.nn.attention import sdpa_kernel
 from kvfence.config import ModelConfig
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import invariant, kernels
-from kvfence.model.blocks import BlockWeight
+from kvfence.model.blocks import BlockWeight, DecodeBlocks
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +130,25 @@ class Model:
         self.decode_backend = (invariant.decode_attention_backend(
             config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim, self.dtype,
             str(self.device)) if self.device.type == "cuda" else None)
-        # per layer (qkv, o, gate_up, down): the C matmul entry of each weight, checked once (``_forward_c``); they
-        # hold raw pointers, so a layer's weights are never replaced after construction
-        self._gemm_entries = [tuple(kernels.gemm_entry(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        # one-token chunks (decode rows) multiply block weights in int8 where that kernel runs (``DecodeBlocks``:
+        # a copy of the blocks regrouped for it); KVFENCE_DECODE_INT8=0 keeps them on the bf16 expansion
+        self.decode_int8 = (self.decode_attn and kernels.decode_blocks_supported()
+                            and os.environ.get("KVFENCE_DECODE_INT8", "1") != "0")
+        # per layer (qkv, o, gate_up, down) and for the head: the C matmul entries of each weight for longer chunks
+        # and for decode rows, checked once (``_forward_c``); they hold raw pointers, so the weights (and the
+        # decode copies kept here) are never replaced after construction
+        self._decode_weights: list[DecodeBlocks] = []
+        self._gemm_entries = [tuple(self._entries(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
                               for layer in layers] if self.decode_attn else []
+        self._head_entries = self._entries(lm_head) if self.decode_attn else None
+
+    def _entries(self, w: torch.Tensor | BlockWeight) -> tuple[kernels.GemmEntry, kernels.GemmEntry]:
+        """``(longer chunks' entry, decode rows' entry)`` for weight w."""
+        entry = kernels.gemm_entry(w)
+        if not (self.decode_int8 and isinstance(w, BlockWeight)):
+            return entry, entry
+        self._decode_weights.append(DecodeBlocks.from_blocks(w))
+        return entry, kernels.gemm_entry(self._decode_weights[-1])
 
     @classmethod
     def from_state_dict(
@@ -260,11 +275,21 @@ class Model:
         starts, scale = b.decode_starts.data_ptr(), D**-0.5
         chunks = [a for a in b.attn if not a.group]  # prefill chunks; decode rows [0, d) take one call
         lib.kvf_add_rms_norm(xp, hidden, None, 0, self.layers[0].attn_norm.data_ptr(), hp, hidden, T, hidden, eps, th)
-        for i, (layer, entries) in enumerate(zip(self.layers, self._gemm_entries, strict=True)):
-            (qkv_fn, qkv_w, qkv_arg), (o_fn, o_w, o_arg), (gu_fn, gu_w, gu_arg), (dn_fn, dn_w, dn_arg) = entries
+
+        def matmul(entries: tuple[kernels.GemmEntry, kernels.GemmEntry], rows: int, xp: int, ldx: int, yp: int,
+                   N: int, K: int) -> None:  # y [rows, N] = x [rows, K] (row stride ldx) @ w.T; rows [0, d) decode
+            (fn, w, arg), (decode_fn, decode_w, decode_arg) = entries
+            if d and decode_fn is not fn:
+                decode_fn(xp, ldx, decode_w, decode_arg, yp, N, d, N, K, th)
+                if rows > d:
+                    fn(xp + 2 * d * ldx, ldx, w, arg, yp + 2 * d * N, N, rows - d, N, K, th)
+            else:
+                fn(xp, ldx, w, arg, yp, N, rows, N, K, th)
+
+        for i, (layer, (qkv_mm, o_mm, gu_mm, dn_mm)) in enumerate(zip(self.layers, self._gemm_entries, strict=True)):
             kv = b.kv_layers[i]  # [num_slots, 2, KV, D], a view of the pool
             kvp, slot_stride = kv.data_ptr(), kv.stride(0)
-            qkv_fn(hp, hidden, qkv_w, qkv_arg, qp, width, T, width, hidden, th)
+            matmul(qkv_mm, T, hp, hidden, qp, width, hidden)
             if layer.qkv_bias is not None or layer.qk_norm is not None:
                 self._qkv_extras(layer, qkv.view(T, -1, D))
             lib.kvf_rope_write(qp, width, H, KV, D, cos, sin, T, kvp, slot_stride, write, th)
@@ -278,18 +303,20 @@ class Model:
                 else:
                     q = qkv[a.q0 : a.q1].view(-1, width // D, D)[:, :H]
                     attn[a.q0 : a.q1] = self._chunk_attention(q, kv.index_select(0, b.read_slots[a.k0 : a.k1]), a)
-            o_fn(ap, H * D, o_w, o_arg, pp, hidden, T, hidden, H * D, th)
+            matmul(o_mm, T, ap, H * D, pp, hidden, H * D)
             lib.kvf_add_rms_norm(xp, hidden, pp, hidden, layer.mlp_norm.data_ptr(), hp, hidden, T, hidden, eps, th)
-            gu_fn(hp, hidden, gu_w, gu_arg, gp, F2, T, F2, hidden, th)
+            matmul(gu_mm, T, hp, hidden, gp, F2, hidden)
             lib.kvf_silu_mul(gp, F2, actp, F2 // 2, T, F2 // 2, th)
-            dn_fn(actp, F2 // 2, dn_w, dn_arg, pp, hidden, T, hidden, F2 // 2, th)
+            matmul(dn_mm, T, actp, F2 // 2, pp, hidden, F2 // 2)
             if i + 1 < len(self.layers):
                 lib.kvf_add_rms_norm(xp, hidden, pp, hidden, self.layers[i + 1].attn_norm.data_ptr(), hp, hidden, T,
                                      hidden, eps, th)
             else:
                 x += proj
         h = kernels.add_rms_norm(x if all_logits else x[b.last_rows], None, self.norm, eps)  # [T or B, hidden]
-        return kernels.gemm(h, self.lm_head)  # [T or B, vocab]
+        logits = h.new_empty(len(h), cfg.vocab_size)  # decode rows stay first: [0, d)
+        matmul(self._head_entries, len(h), h.data_ptr(), hidden, logits.data_ptr(), cfg.vocab_size, hidden)
+        return logits  # [T or B, vocab]
 
     def _qkv_extras(self, layer: Layer, qkv: torch.Tensor) -> None:
         """qwen2's q/k/v bias and qwen3's per-head q/k norm, in place on qkv ``[T, H + 2 KV, D]``."""
