@@ -460,35 +460,45 @@ typedef struct {
     int64_t K, nb;
 } quantized_x;
 
-/* One block's isum (16 lanes: weight rows) -> acc, in the order of the contract above. */
-static inline __m512 scale_block(__m512 acc, __m512i isum, const uint8_t *gb, int fmt, const quantized_x *x,
-                                 int64_t m, int64_t b) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
-    const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(x->dx[m * x->nb + b]));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, acc);
-    if (fmt == FMT_Q4_1)
-        acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32))),
-                              _mm512_set1_ps(x->sx[m * x->nb + b]), acc);
+/* A block's fp32 scales for 16 weight rows: d and (Q4_1) m. */
+typedef struct {
+    __m512 d, m;
+} block_scales;
+
+static inline block_scales load_scales(const uint8_t *gb, int fmt) {
+    block_scales s = {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb)), _mm512_setzero_ps()};
+    if (fmt == FMT_Q4_1) s.m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32)));
+    return s;
+}
+
+/* One block's isum (16 lanes: weight rows) of x row m -> acc, in the order of the contract above. */
+static inline __m512 scale_block(__m512 acc, __m512i isum, block_scales s, int fmt, const quantized_x *x, int64_t m,
+                                 int64_t b) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s.d, _mm512_set1_ps(x->dx[m * x->nb + b])), acc);
+    if (fmt == FMT_Q4_1) acc = _mm512_fmadd_ps(s.m, _mm512_set1_ps(x->sx[m * x->nb + b]), acc);
     return acc;
 }
 
 /* Rows [m0, m0 + rows) (rows <= 4) against one group, on vectors. */
-static void q8_group_vnni(const uint8_t *wg, int fmt, const quantized_x *x, int64_t m0, int rows, __m512 *acc) {
+static inline __attribute__((always_inline)) void q8_group_vnni(const uint8_t *wg, int fmt, const quantized_x *x, int64_t m0, int rows, __m512 *acc) {
     const int64_t gbytes = fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    UNROLL for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < x->nb; b++) {
         const uint8_t *gb = wg + b * gbytes;
+        if (m0 == 0) /* the first pass over a group streams the same block of the next group into cache */
+            for (int64_t l = 0; l < gbytes; l += 64) _mm_prefetch((const char *)gb + x->nb * gbytes + l, _MM_HINT_T2);
         __m512i w[8];
         if (fmt == FMT_Q4_1) q41_unpack(gb, w);
         else for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(gb + 64 + 64 * j);
-        for (int r = 0; r < rows; r++) {
+        const block_scales scales = load_scales(gb, fmt);
+        UNROLL for (int r = 0; r < rows; r++) {
             const int64_t m = m0 + r;
             __m512i isum;
             if (fmt == FMT_Q4_1) isum = dot_quads(w, (const int32_t *)(x->qx + m * x->K + 32 * b), 0);
             else /* (q + 128) . w - 128 sum(w) */
                 isum = _mm512_sub_epi32(dot_quads(w, (const int32_t *)(x->xu + m * x->K + 32 * b), 1),
                     _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(gb + 32))), 7));
-            acc[r] = scale_block(acc[r], isum, gb, fmt, x, m, b);
+            acc[r] = scale_block(acc[r], isum, scales, fmt, x, m, b);
         }
     }
 }
@@ -497,39 +507,69 @@ static void configure_int8_tiles(void) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    cfg.rows[0] = 16, cfg.colsb[0] = 64; /* C: 16 x rows x 16 weight rows, int32 */
-    cfg.rows[1] = 16, cfg.colsb[1] = 32; /* A: 16 x rows x one block of int8 */
-    cfg.rows[2] = 8, cfg.colsb[2] = 64;  /* B: 8 quads x 16 weight rows x 4 bytes */
+    for (int t = 0; t < 4; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* C: 16 x rows x 16 weight rows, int32 */
+    for (int t = 4; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 32; /* A: 16 x rows x one block of int8 */
+    for (int t = 6; t < 8; t++) cfg.rows[t] = 8, cfg.colsb[t] = 64;  /* B: 8 quads x 16 weight rows x 4 bytes */
     _tile_loadconfig(&cfg);
 }
 
-/* Rows [m0, m0 + 16) against one group, on tiles: each block's isum on the tile unit, then scaled as above.
- * unpacked: the group's B tiles (Q4_1 unpacked to bytes; Q8_0's are the weights as stored). */
-static void q8_group_amx(const uint8_t *wg, int fmt, const uint8_t *unpacked, const quantized_x *x, int64_t m0,
+/* Block b's isums into C tile TC (A tile TA, B tile TB). */
+#define Q8_PRODUCT(TC, TA, TB, b)                                                                                \
+    do {                                                                                                         \
+        _tile_zero(TC);                                                                                          \
+        _tile_loadd(TA, x->qx + m0 * x->K + 32 * (b), x->K);                                                     \
+        if (fmt == FMT_Q4_1) {                                                                                   \
+            _tile_loadd(TB, unpacked + (b) * 512, 64);                                                           \
+            _tile_dpbsud(TC, TA, TB);                                                                            \
+        } else {                                                                                                 \
+            _tile_loadd(TB, wg + (b) * gbytes + 64, 64);                                                         \
+            _tile_dpbssd(TC, TA, TB);                                                                            \
+        }                                                                                                        \
+    } while (0)
+
+/* Rows [m0, m0 + 16) against one group, on tiles: up to four blocks' isums on the tile unit (tiles 0-3) while the
+ * four before them are scaled as above from memory; unpacked: the group's B tiles (Q4_1 unpacked to bytes; Q8_0's
+ * are the weights as stored). */
+static inline __attribute__((always_inline)) void q8_group_amx(const uint8_t *wg, int fmt, const uint8_t *unpacked, const quantized_x *x, int64_t m0,
                          __m512 acc[16]) {
-    const int64_t gbytes = fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
-    int32_t c[256] __attribute__((aligned(64)));
+    const int64_t gbytes = fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK, nb = x->nb;
+    int32_t c[2][4 * 256] __attribute__((aligned(64)));
     for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < x->nb; b++) {
-        const uint8_t *gb = wg + b * gbytes;
-        _tile_zero(0);
-        _tile_loadd(1, x->qx + m0 * x->K + 32 * b, x->K);
-        if (fmt == FMT_Q4_1) {
-            _tile_loadd(2, unpacked + b * 512, 64);
-            _tile_dpbsud(0, 1, 2);
-        } else {
-            _tile_loadd(2, gb + 64, 64);
-            _tile_dpbssd(0, 1, 2);
+    int64_t b = 0;
+    int n = nb < 4 ? (int)nb : 4, buf = 0;
+    Q8_PRODUCT(0, 4, 6, 0);
+    if (n > 1) Q8_PRODUCT(1, 5, 7, 1);
+    if (n > 2) Q8_PRODUCT(2, 4, 6, 2);
+    if (n > 3) Q8_PRODUCT(3, 5, 7, 3);
+    while (n > 0) {
+        _tile_stored(0, c[buf], 64);
+        if (n > 1) _tile_stored(1, c[buf] + 256, 64);
+        if (n > 2) _tile_stored(2, c[buf] + 512, 64);
+        if (n > 3) _tile_stored(3, c[buf] + 768, 64);
+        const int64_t next = b + n;
+        const int n2 = nb - next < 4 ? (int)(nb - next) : 4;
+        if (n2 > 0) Q8_PRODUCT(0, 4, 6, next);
+        if (n2 > 1) Q8_PRODUCT(1, 5, 7, next + 1);
+        if (n2 > 2) Q8_PRODUCT(2, 4, 6, next + 2);
+        if (n2 > 3) Q8_PRODUCT(3, 5, 7, next + 3);
+        for (int j = 0; j < n; j++) {
+            const block_scales scales = load_scales(wg + (b + j) * gbytes, fmt);
+            UNROLL for (int r = 0; r < 16; r++)
+                acc[r] = scale_block(acc[r], _mm512_load_si512(c[buf] + 256 * j + 16 * r), scales, fmt, x, m0 + r, b + j);
         }
-        _tile_stored(0, c, 64);
-        for (int r = 0; r < 16; r++)
-            acc[r] = scale_block(acc[r], _mm512_load_si512(c + 16 * r), gb, fmt, x, m0 + r, b);
+        b = next, n = n2, buf ^= 1;
     }
 }
 
 static inline void store_row_bf16(__m512 acc, uint16_t *y) {
     _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(acc));
 }
+
+/* q8_group_vnni compiled for each format and row count (so its loops unroll and acc stays in registers) */
+#define VNNI_FMT(F, R) q8_group_vnni(wg, F, &qxs, m0, R, acc)
+#define VNNI_R(R) do { if (fmt == FMT_Q4_1) VNNI_FMT(FMT_Q4_1, R); else VNNI_FMT(FMT_Q8_0, R); } while (0)
+#define VNNI_ROWS(rows) do { switch (rows) { case 1: VNNI_R(1); break; case 2: VNNI_R(2); break; \
+                                             case 3: VNNI_R(3); break; default: VNNI_R(4); } } while (0)
 
 /* y = x w^T for w as N / 16 groups of K / 32 blocks (FMT_Q4_1 or FMT_Q8_0): the contract above. N % 16 == 0 and
  * K % 32 == 0 (the caller checks). Threads split the groups. */
@@ -555,18 +595,21 @@ void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint
             if (tiles) {
                 if (unpacked)
                     for (int64_t b = 0; b < nb; b++) {
+                        for (int64_t l = 0; l < Q41_GROUP_BLOCK; l += 64)
+                            _mm_prefetch((const char *)wg + gbytes + b * Q41_GROUP_BLOCK + l, _MM_HINT_T2);
                         __m512i v[8];
                         q41_unpack(wg + b * Q41_GROUP_BLOCK, v);
                         for (int j = 0; j < 8; j++) _mm512_store_si512(unpacked + b * 512 + 64 * j, v[j]);
                     }
                 for (int64_t m0 = 0; m0 < M; m0 += 16) {
-                    q8_group_amx(wg, fmt, unpacked, &qxs, m0, acc);
+                    if (fmt == FMT_Q4_1) q8_group_amx(wg, FMT_Q4_1, unpacked, &qxs, m0, acc);
+                    else q8_group_amx(wg, FMT_Q8_0, unpacked, &qxs, m0, acc);
                     for (int r = 0; r < 16 && m0 + r < M; r++) store_row_bf16(acc[r], y + (m0 + r) * ldy + 16 * g);
                 }
             } else
                 for (int64_t m0 = 0; m0 < M; m0 += 4) {
                     const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
-                    q8_group_vnni(wg, fmt, &qxs, m0, rows, acc);
+                    VNNI_ROWS(rows);
                     for (int r = 0; r < rows; r++) store_row_bf16(acc[r], y + (m0 + r) * ldy + 16 * g);
                 }
         }
