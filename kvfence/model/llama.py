@@ -176,11 +176,14 @@ class Model:
         lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
         return cls(cfg, embed, layers, get("model.norm.weight"), lm_head)
 
-    def parameters_for_bandwidth(self) -> list[torch.Tensor]:
-        """Every weight a decode step reads in full (the embedding is only gathered from, unless tied)."""
+    def parameters_for_bandwidth(self) -> list[torch.Tensor | BlockWeight | DecodeBlocks]:
+        """Every weight a decode step reads in full (the embedding is only gathered from, unless tied): the
+        ``DecodeBlocks`` copies where decode rows use them."""
         out = [self.norm, self.lm_head]
         for layer in self.layers:
             out += [t for t in vars(layer).values() if t is not None]
+        if self._decode_weights:  # they replace the blocks they copy
+            out = [t for t in out if not isinstance(t, BlockWeight)] + self._decode_weights
         return out
 
     # -- batch invariance -------------------------------------------------------------------------------------
