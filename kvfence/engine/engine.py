@@ -45,6 +45,10 @@ class Engine:
         self.scheduler = Scheduler(config, self.pages)
         self.seqs: dict[int, Sequence] = {}
         self.trackers: dict[int, OutputTracker] = {}
+        if self.decodes:
+            model.prepare_decode_rows()
+
+    decodes = True  # whether requests decode here (else the model prepares for decode rows at its first)
 
     @property
     def has_work(self) -> bool:

@@ -131,8 +131,10 @@ class Model:
             config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim, self.dtype,
             str(self.device)) if self.device.type == "cuda" else None)
         # one-token chunks (decode rows) multiply block weights in int8 where that kernel runs (``DecodeBlocks``:
-        # a copy of the blocks regrouped for it); KVFENCE_DECODE_INT8=0 keeps them on the bf16 expansion
-        self.decode_int8 = (self.decode_attn and kernels.decode_blocks_supported()
+        # a copy of the blocks regrouped for it, ``prepare_decode_rows``); KVFENCE_DECODE_INT8=0 keeps them on the
+        # bf16 expansion
+        self.decode_int8 = (self.decode_attn and any(isinstance(w, BlockWeight) for w in vars(layers[0]).values())
+                            and kernels.decode_blocks_supported()
                             and os.environ.get("KVFENCE_DECODE_INT8", "1") != "0")
         # per layer (qkv, o, gate_up, down) and for the head: the C matmul entries of each weight for longer chunks
         # and for decode rows, checked once (``_forward_c``); they hold raw pointers, so the weights (and the
@@ -142,13 +144,29 @@ class Model:
                               for layer in layers] if self.decode_attn else []
         self._head_entries = self._entries(lm_head) if self.decode_attn else None
 
-    def _entries(self, w: torch.Tensor | BlockWeight) -> tuple[kernels.GemmEntry, kernels.GemmEntry]:
-        """``(longer chunks' entry, decode rows' entry)`` for weight w."""
+    def _entries(self, w: torch.Tensor | BlockWeight, decode_copy: bool = False
+                 ) -> tuple[kernels.GemmEntry, kernels.GemmEntry]:
+        """``(longer chunks' entry, decode rows' entry)`` for weight w; the same entry twice until
+        ``prepare_decode_rows`` makes the copy (``decode_copy``)."""
         entry = kernels.gemm_entry(w)
-        if not (self.decode_int8 and isinstance(w, BlockWeight)):
+        if not (decode_copy and self.decode_int8 and isinstance(w, BlockWeight)):
             return entry, entry
         self._decode_weights.append(DecodeBlocks.from_blocks(w))
         return entry, kernels.gemm_entry(self._decode_weights[-1])
+
+    def prepare_decode_rows(self) -> None:
+        """Make the int8 copies decode rows use (~1 s, ~100 MB for SmolLM2). Engines that decode call it at
+        start; elsewhere (a prefill worker: its one-token chunks come only from prompts one past a multiple of the
+        chunk size) the first step with a decode row does. Idempotent; a no-op where decode rows use the weights
+        themselves."""
+        if not self.decode_int8 or self._decode_weights:
+            return
+        t0 = time.perf_counter()
+        self._gemm_entries = [tuple(self._entries(w, True) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                              for layer in self.layers]
+        self._head_entries = self._entries(self.lm_head, True)
+        log.info("int8 copies of the block weights for decode rows: %.0f MB in %.2fs",
+                 sum(w.nbytes for w in self._decode_weights) / 1e6, time.perf_counter() - t0)
 
     @classmethod
     def from_state_dict(
@@ -268,6 +286,8 @@ class Model:
         cfg, lib, th = self.config, kernels.library(), kernels.threads()
         H, KV, D, hidden, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.rms_norm_eps
         T, d, width = len(b.tokens), b.decode_rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        if d:
+            self.prepare_decode_rows()
         F2 = self.layers[0].gate_up.shape[0]
         x = self._embed(b.tokens)  # [T, hidden], a new tensor: the residual stream, updated in place
         h, proj = x.new_empty(T, hidden), x.new_empty(T, hidden)  # normed input of a projection; its output

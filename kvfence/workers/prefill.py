@@ -56,6 +56,8 @@ class PrefillRunner(Engine):
     A request's local pages stay held until every write reading them has finished.
     """
 
+    decodes = False
+
     def __init__(self, *args, initiator: KVInitiator, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.initiator = initiator
