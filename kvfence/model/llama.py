@@ -165,6 +165,9 @@ class Model:
         self._gemm_entries = [tuple(self._entries(w, True) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
                               for layer in self.layers]
         self._head_entries = self._entries(self.lm_head, True)
+        from kvfence.model.loader import release_free_memory  # here: loader imports this module
+
+        release_free_memory()  # the regrouping's temporaries
         log.info("int8 copies of the block weights for decode rows: %.0f MB in %.2fs",
                  sum(w.nbytes for w in self._decode_weights) / 1e6, time.perf_counter() - t0)
 
