@@ -480,7 +480,8 @@ static inline __m512 scale_block(__m512 acc, __m512i isum, block_scales s, int f
 }
 
 /* Rows [m0, m0 + rows) (rows <= 4) against one group, on vectors. */
-static inline __attribute__((always_inline)) void q8_group_vnni(const uint8_t *wg, int fmt, const quantized_x *x, int64_t m0, int rows, __m512 *acc) {
+static inline __attribute__((always_inline)) void q8_group_vnni(const uint8_t *wg, int fmt, const quantized_x *x,
+                                                                int64_t m0, int rows, __m512 *acc) {
     const int64_t gbytes = fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
     UNROLL for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < x->nb; b++) {
@@ -530,8 +531,8 @@ static void configure_int8_tiles(void) {
 /* Rows [m0, m0 + 16) against one group, on tiles: up to four blocks' isums on the tile unit (tiles 0-3) while the
  * four before them are scaled as above from memory; unpacked: the group's B tiles (Q4_1 unpacked to bytes; Q8_0's
  * are the weights as stored). */
-static inline __attribute__((always_inline)) void q8_group_amx(const uint8_t *wg, int fmt, const uint8_t *unpacked, const quantized_x *x, int64_t m0,
-                         __m512 acc[16]) {
+static inline __attribute__((always_inline)) void q8_group_amx(const uint8_t *wg, int fmt, const uint8_t *unpacked,
+                                                               const quantized_x *x, int64_t m0, __m512 acc[16]) {
     const int64_t gbytes = fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK, nb = x->nb;
     int32_t c[2][4 * 256] __attribute__((aligned(64)));
     for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
@@ -555,7 +556,8 @@ static inline __attribute__((always_inline)) void q8_group_amx(const uint8_t *wg
         for (int j = 0; j < n; j++) {
             const block_scales scales = load_scales(wg + (b + j) * gbytes, fmt);
             UNROLL for (int r = 0; r < 16; r++)
-                acc[r] = scale_block(acc[r], _mm512_load_si512(c[buf] + 256 * j + 16 * r), scales, fmt, x, m0 + r, b + j);
+                acc[r] = scale_block(acc[r], _mm512_load_si512(c[buf] + 256 * j + 16 * r), scales, fmt, x, m0 + r,
+                                     b + j);
         }
         b = next, n = n2, buf ^= 1;
     }
