@@ -3,8 +3,8 @@
 ``gemm(x, w)`` computes ``x @ w.T`` in bfloat16 with every row independent of the others by construction (see the
 C file), so it needs no calibration; the model runs every matmul row through it, prefill and decode, with bf16
 weights or GGUF blocks expanded on the fly (``BlockWeight``), except decode rows of block weights where AMX int8
-runs: those multiply ``DecodeBlocks`` with x quantized to int8 per block, exact integer sums. Decode attention, add + RMSNorm, rotary + K/V write
-and the MLP's silu(gate) * up are row- or sequence-wise the same way.
+runs: those multiply ``DecodeBlocks`` with x quantized to int8 per block, exact integer sums. Decode attention,
+add + RMSNorm, rotary + K/V write and the MLP's silu(gate) * up are row- or sequence-wise the same way.
 
 Two sources, one set of entry points: ``decode_gemm.c`` for CPUs with AVX512-BF16 (and AMX tiles where present:
 block weights, prefill attention), ``decode_avx2.c`` for CPUs with only AVX2, FMA and F16C. Each is batch-invariant
