@@ -296,16 +296,18 @@ void kvf_expand_rows(const uint8_t *w, int fmt, const int64_t *rows, int64_t n, 
     for (int64_t i = 0; i < n; i++) expand_row(w + rows[i] * row_bytes, fmt, K, out + i * K);
 }
 
-/* This thread's buffer of at least n bf16 values, kept between calls (a fresh large one costs page faults). */
-static uint16_t *expansion_buffer(int64_t n) {
-    static __thread uint16_t *buf;
-    static __thread int64_t cap;
-    if (n > cap) {
-        free(buf);
-        buf = aligned_alloc(64, n * 2);
-        cap = n;
+/* This thread's buffer ``slot`` of at least n bytes, 64-byte aligned, kept between calls (a fresh large one costs
+ * page faults, and a call per matmul adds up). */
+enum { BUF_EXPANDED, BUF_QUANTIZED, BUF_UNPACKED, BUF_SLOTS };
+static void *thread_buffer(int slot, int64_t n) {
+    static __thread void *buf[BUF_SLOTS];
+    static __thread int64_t cap[BUF_SLOTS];
+    if (n > cap[slot]) {
+        free(buf[slot]);
+        cap[slot] = (n + 63) / 64 * 64;
+        buf[slot] = aligned_alloc(64, cap[slot]);
     }
-    return buf;
+    return buf[slot];
 }
 
 /* w: bf16 rows of stride ldw (fmt FMT_BF16), or rows of K / 32 blocks. A thread takes groups of 64 (then 16)
@@ -333,7 +335,7 @@ static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int
 #pragma omp parallel num_threads(nthreads)
     {
         float c[4 * 256] __attribute__((aligned(64)));
-        uint16_t *expanded = fmt == FMT_BF16 ? NULL : expansion_buffer(64 * K);
+        uint16_t *expanded = fmt == FMT_BF16 ? NULL : thread_buffer(BUF_EXPANDED, 64 * K * 2);
         configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
@@ -580,15 +582,17 @@ void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint
     const int64_t nb = K / 32, groups = N / 16, gbytes = nb * (fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK);
     const int tiles = M >= Q8_TILE_ROWS;
     const int64_t Mp = tiles ? (M + 15) / 16 * 16 : M; /* tile rows past M are zero */
-    int8_t *qx = aligned_alloc(64, (Mp * K + 63) / 64 * 64);
-    uint8_t *xu = aligned_alloc(64, (Mp * K + 63) / 64 * 64);
-    float *dx = calloc(Mp * nb, sizeof(float)), *sx = calloc(Mp * nb, sizeof(float));
-    memset(qx, 0, Mp * K);
+    const int64_t bytes = (Mp * K + 63) / 64 * 64, scales = (Mp * nb * 4 + 63) / 64 * 64;
+    int8_t *qx = thread_buffer(BUF_QUANTIZED, 2 * bytes + 2 * scales);
+    uint8_t *xu = (uint8_t *)qx + bytes;
+    float *dx = (float *)(xu + bytes), *sx = (float *)((char *)dx + scales);
+    memset(qx + M * K, 0, (Mp - M) * K);
+    memset(dx + M * nb, 0, (Mp - M) * nb * 4), memset(sx + M * nb, 0, (Mp - M) * nb * 4);
     quantize_rows(x, ldx, M, K, qx, xu, dx, sx);
     const quantized_x qxs = {qx, xu, dx, sx, K, nb};
 #pragma omp parallel num_threads(nthreads)
     {
-        uint8_t *unpacked = tiles && fmt == FMT_Q4_1 ? aligned_alloc(64, nb * 512) : NULL;
+        uint8_t *unpacked = tiles && fmt == FMT_Q4_1 ? thread_buffer(BUF_UNPACKED, nb * 512) : NULL;
         if (tiles) configure_int8_tiles();
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
@@ -616,9 +620,7 @@ void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint
                 }
         }
         if (tiles) _tile_release();
-        free(unpacked);
     }
-    free(qx), free(xu), free(dx), free(sx);
 }
 
 /* ---- decode attention straight from the pool -----------------------------------------------------------------
