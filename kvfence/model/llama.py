@@ -291,6 +291,7 @@ class Model:
         T, d, width = len(b.tokens), b.decode_rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         if d:
             self.prepare_decode_rows()
+        light = th if T >= 16 else 1  # threads of the element-wise kernels: a few rows cost less than a fork/join
         F2 = self.layers[0].gate_up.shape[0]
         x = self._embed(b.tokens)  # [T, hidden], a new tensor: the residual stream, updated in place
         h, proj = x.new_empty(T, hidden), x.new_empty(T, hidden)  # normed input of a projection; its output
@@ -300,7 +301,8 @@ class Model:
         cos, sin, write, read = b.cos.data_ptr(), b.sin.data_ptr(), b.write_slots.data_ptr(), b.read_slots.data_ptr()
         starts, scale = b.decode_starts.data_ptr(), D**-0.5
         chunks = [a for a in b.attn if not a.group]  # prefill chunks; decode rows [0, d) take one call
-        lib.kvf_add_rms_norm(xp, hidden, None, 0, self.layers[0].attn_norm.data_ptr(), hp, hidden, T, hidden, eps, th)
+        lib.kvf_add_rms_norm(xp, hidden, None, 0, self.layers[0].attn_norm.data_ptr(), hp, hidden, T, hidden, eps,
+                             light)
 
         def matmul(entries: tuple[kernels.GemmEntry, kernels.GemmEntry], rows: int, xp: int, ldx: int, yp: int,
                    N: int, K: int) -> None:  # y [rows, N] = x [rows, K] (row stride ldx) @ w.T; rows [0, d) decode
@@ -318,7 +320,7 @@ class Model:
             matmul(qkv_mm, T, hp, hidden, qp, width, hidden)
             if layer.qkv_bias is not None or layer.qk_norm is not None:
                 self._qkv_extras(layer, qkv.view(T, -1, D))
-            lib.kvf_rope_write(qp, width, H, KV, D, cos, sin, T, kvp, slot_stride, write, th)
+            lib.kvf_rope_write(qp, width, H, KV, D, cos, sin, T, kvp, slot_stride, write, light)
             if d:
                 lib.kvf_decode_attention(qp, width, kvp, slot_stride, read, starts, d, H, KV, D, scale, ap, H * D, th)
             for a in chunks:
@@ -330,13 +332,13 @@ class Model:
                     q = qkv[a.q0 : a.q1].view(-1, width // D, D)[:, :H]
                     attn[a.q0 : a.q1] = self._chunk_attention(q, kv.index_select(0, b.read_slots[a.k0 : a.k1]), a)
             matmul(o_mm, T, ap, H * D, pp, hidden, H * D)
-            lib.kvf_add_rms_norm(xp, hidden, pp, hidden, layer.mlp_norm.data_ptr(), hp, hidden, T, hidden, eps, th)
+            lib.kvf_add_rms_norm(xp, hidden, pp, hidden, layer.mlp_norm.data_ptr(), hp, hidden, T, hidden, eps, light)
             matmul(gu_mm, T, hp, hidden, gp, F2, hidden)
-            lib.kvf_silu_mul(gp, F2, actp, F2 // 2, T, F2 // 2, th)
+            lib.kvf_silu_mul(gp, F2, actp, F2 // 2, T, F2 // 2, light)
             matmul(dn_mm, T, actp, F2 // 2, pp, hidden, F2 // 2)
             if i + 1 < len(self.layers):
                 lib.kvf_add_rms_norm(xp, hidden, pp, hidden, self.layers[i + 1].attn_norm.data_ptr(), hp, hidden, T,
-                                     hidden, eps, th)
+                                     hidden, eps, light)
             else:
                 x += proj
         h = kernels.add_rms_norm(x if all_logits else x[b.last_rows], None, self.norm, eps)  # [T or B, hidden]
