@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvfence.config import EngineConfig  # noqa: E402
 from kvfence.core import Request, SamplingParams  # noqa: E402
 from kvfence.engine.engine import Engine  # noqa: E402
-from kvfence.model.loader import load_model, smollm2_gguf_path  # noqa: E402
+from kvfence.model.loader import freeze_loaded_objects, load_model, smollm2_gguf_path  # noqa: E402
 
 PROMPT_LEN = 128
 
@@ -145,6 +145,7 @@ def main() -> None:
         kv.engine.step()
     start_to_first_token = time.perf_counter() - t0
     hf = None if args.no_transformers else TransformersRunner(args.model, dtype, device)
+    freeze_loaded_objects()  # as a server does; a full collection over both models stalled 32-token decode runs
 
     rows: list[dict] = []
 

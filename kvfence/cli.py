@@ -182,6 +182,7 @@ def serve_colocated(args: argparse.Namespace) -> int:
     from kvfence.config import EngineConfig
     from kvfence.engine.engine import Engine
     from kvfence.engine.local import LocalEngine
+    from kvfence.model.loader import freeze_loaded_objects
     from kvfence.tools.audit import refuse_to_start_unless_fits
 
     loaded, max_context = load(args)
@@ -191,6 +192,7 @@ def serve_colocated(args: argparse.Namespace) -> int:
                           page_size=args.page_size, max_batch=args.max_batch, chunk_size=args.chunk_size,
                           step_tokens=args.step_tokens)
     engine = Engine(loaded.model, loaded.tokenizer, config, dtype_of(args), args.device)
+    freeze_loaded_objects()
     log.info("colocated engine: KV pool %d tokens (%d pages of %d, %.0f MiB)", config.num_pages * config.page_size,
              config.num_pages, config.page_size, engine.pool.nbytes / 2**20)
     client = LocalEngine(engine, args.served_model_name or loaded.name)

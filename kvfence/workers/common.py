@@ -38,7 +38,7 @@ class WorkerBase:
     role = ""
 
     def __init__(self, settings: WorkerSettings) -> None:
-        from kvfence.model.loader import load_model
+        from kvfence.model.loader import freeze_loaded_objects, load_model
 
         self.settings = settings
         self.safety = Safety.from_env()
@@ -48,6 +48,7 @@ class WorkerBase:
         self.base_threads = torch.get_num_threads()
         self.dtype = getattr(torch, settings.dtype)
         self.loaded = load_model(settings.model, dtype=self.dtype, device=settings.device)
+        freeze_loaded_objects()
         self.channel = Channel(settings.bind, settings.advertise, self.faults)
         self.me = self.channel.me
 
