@@ -129,7 +129,8 @@ class TransformersRunner:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per measurement (best is kept)")
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128,
+                    help="tokens per decode run (enough that one stall does not decide it)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--json", default="bench/results/decode.json")
     ap.add_argument("--model", default="smollm2-135m", help="as for kvfence serve (a GPU run takes an HF directory)")
