@@ -101,3 +101,15 @@ def test_disaggregated_equals_colocated_token_for_token(colocated, disaggregated
         a = chat(colocated.client("sk-alice"), prompt, **kw)
         b = chat(disaggregated.client("sk-alice"), prompt, **kw)
         assert a == b, prompt
+
+
+def test_one_token_prompt_chunks_agree_across_modes(colocated, disaggregated):
+    """A one-token chunk takes the decode rows' kernel (int8 on AMX hosts) wherever it runs: a 1-token prompt and
+    one of 513 tokens (chunks of 512 + 1) make the prefill worker compute one, lazily preparing that kernel's
+    weights, and must still continue exactly as the colocated engine does."""
+    ids = [(i * 37) % 5000 + 100 for i in range(513)]
+    for prompt in (ids[:1], ids):
+        a, b = (s.client("sk-alice").completions.create(model="smollm2-135m", prompt=prompt, max_tokens=16,
+                                                         temperature=0) for s in (colocated, disaggregated))
+        assert a.choices[0].text == b.choices[0].text, len(prompt)
+        assert a.usage.completion_tokens == b.usage.completion_tokens > 0

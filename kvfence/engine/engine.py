@@ -34,6 +34,8 @@ class Engine:
     stamps the tag records of pages it fills itself.
     """
 
+    decodes = True  # requests decode here: the model prepares for decode rows at start (not at the first one)
+
     def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig, dtype: torch.dtype,
                  device: str = "cpu", pool: KVPool | None = None, safety: Safety | None = None,
                  remote_writes: bool = False) -> None:
@@ -47,8 +49,6 @@ class Engine:
         self.trackers: dict[int, OutputTracker] = {}
         if self.decodes:
             model.prepare_decode_rows()
-
-    decodes = True  # whether requests decode here (else the model prepares for decode rows at its first)
 
     @property
     def has_work(self) -> bool:
