@@ -716,3 +716,30 @@ def test_int8_decode_kernel_computes_its_contract_for_any_rows():
             assert torch.equal(kernels.gemm(x[a:b], g), whole[a:b]), (w.shape, a, b)
         ref = x.float() @ w.dequantize().t()
         assert (whole.float() - ref).abs().max() <= 0.02 * ref.abs().max(), w.shape
+
+
+@pytest.mark.skipif(not kernels.decode_blocks_supported(), reason="no AVX512-VNNI with AMX int8 here")
+def test_a_decode_step_in_one_c_call_gives_the_bits_of_the_python_layer_loop(bf16, monkeypatch):
+    """``kvf_decode_layers`` (all layers of a decode-only step in one call) against the per-kernel calls from
+    Python: the same logits bit for bit, for 1 and 3 sequences of different lengths; a step with a prefill chunk
+    keeps the Python loop."""
+    model = bf16.model
+    model.prepare_decode_rows()
+    ids = bf16.tokenizer.encode(varied_text(200))
+    pool = KVPool(model.config, 60, 16, torch.bfloat16)
+    lengths = (37, 150, 291)
+    for i, n in enumerate(lengths):
+        model.forward([SeqChunk(ids[:n], 0, list(range(20 * i, 20 * i + 20)))], pool)
+    steps = [[SeqChunk([ids[n + 1]], n, list(range(20 * i, 20 * i + 20)))] for i, n in enumerate(lengths)]
+    steps.append([c for step in steps for c in step])
+    for chunks in steps:
+        in_c = model.forward(chunks, pool)
+        assert model._layer_args is not None  # the one-call loop ran
+        with monkeypatch.context() as m:
+            m.setattr(model, "_decode_layer_args", lambda kv_layers: None)
+            assert torch.equal(model.forward(chunks, pool), in_c)
+    calls = []
+    with monkeypatch.context() as m:
+        m.setattr(kernels.library(), "kvf_decode_layers", lambda *a: calls.append(a))
+        model.forward([SeqChunk(ids[:40], 0, list(range(60 - 3, 60))), steps[0][0]], pool)
+    assert calls == []

@@ -99,6 +99,9 @@ def _library() -> ctypes.CDLL | None:
         so.kvf_prefill_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
                                              i64, ctypes.c_int]
         so.kvf_prefill_attention.restype = None
+    if so.q8:
+        so.kvf_decode_layers.argtypes = [ptr, ptr, i64]
+        so.kvf_decode_layers.restype = None
     so.kvf_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
                                         ctypes.c_int]
     so.kvf_decode_attention.restype = None
@@ -134,6 +137,23 @@ def blocks_supported() -> bool:
     """Whether ``gemm`` takes ``BlockWeight``s here (AMX tiles, or the AVX2 kernels)."""
     lib = _library()
     return lib is not None and lib.gemm_blocks is not None
+
+
+class DecodeLayer(ctypes.Structure):
+    """``decode_gemm.c: decode_layer``: one layer's ``DecodeBlocks`` and their formats, its norms, its pool layer."""
+
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("qkv", "o", "gate_up", "down")]
+                + [(f"{n}_fmt", ctypes.c_int64) for n in ("qkv", "o", "gate_up", "down")]
+                + [(n, ctypes.c_void_p) for n in ("attn_norm", "mlp_norm", "kv")])
+
+
+class DecodeStep(ctypes.Structure):
+    """``decode_gemm.c: decode_step``: a decode step's sizes, thread counts, buffers, rotary tables and slots."""
+
+    _fields_ = ([(n, ctypes.c_int64) for n in ("T", "H", "KV", "D", "hidden", "F2", "slot_stride", "threads", "light")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(n, ctypes.c_void_p) for n in ("x", "h", "proj", "qkv", "attn", "gate_up", "act", "cos", "sin",
+                                                  "write", "read", "starts")])
 
 
 def decode_blocks_supported() -> bool:

@@ -24,6 +24,7 @@ buffers once and calls the C entry points straight, about ten per layer. See doc
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -143,6 +144,7 @@ class Model:
         self._gemm_entries = [tuple(self._entries(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
                               for layer in layers] if self.decode_attn else []
         self._head_entries = self._entries(lm_head) if self.decode_attn else None
+        self._layer_args: tuple[int, ctypes.Array] | None = None  # (pool, kvf_decode_layers' layers): a cache
 
     def _entries(self, w: torch.Tensor | BlockWeight, decode_copy: bool = False
                  ) -> tuple[kernels.GemmEntry, kernels.GemmEntry]:
@@ -314,7 +316,14 @@ class Model:
             else:
                 fn(xp, ldx, w, arg, yp, N, rows, N, K, th)
 
-        for i, (layer, (qkv_mm, o_mm, gu_mm, dn_mm)) in enumerate(zip(self.layers, self._gemm_entries, strict=True)):
+        layer_args = self._decode_layer_args(b.kv_layers) if d == T else None
+        if layer_args is not None:  # decode rows only: the same kernels in the same order, one call for all layers
+            step = kernels.DecodeStep(T, H, KV, D, hidden, F2, b.kv_layers[0].stride(0), th, light, eps, scale, xp, hp,
+                                      pp, qp, ap, gp, actp, cos, sin, write, read, starts)
+            lib.kvf_decode_layers(ctypes.byref(step), layer_args, len(self.layers))
+            x += proj
+        layers = zip(self.layers, self._gemm_entries, strict=True) if layer_args is None else ()  # else: done
+        for i, (layer, (qkv_mm, o_mm, gu_mm, dn_mm)) in enumerate(layers):
             kv = b.kv_layers[i]  # [num_slots, 2, KV, D], a view of the pool
             kvp, slot_stride = kv.data_ptr(), kv.stride(0)
             matmul(qkv_mm, T, hp, hidden, qp, width, hidden)
@@ -345,6 +354,24 @@ class Model:
         logits = h.new_empty(len(h), cfg.vocab_size)  # decode rows stay first: [0, d)
         matmul(self._head_entries, len(h), h.data_ptr(), hidden, logits.data_ptr(), cfg.vocab_size, hidden)
         return logits  # [T or B, vocab]
+
+    def _decode_layer_args(self, kv_layers: tuple[torch.Tensor, ...]) -> ctypes.Array | None:
+        """``kvf_decode_layers``'s per-layer arguments for this pool (cached); None where that loop does not apply:
+        a weight without an int8 copy (decode rows not prepared, dense weights), or q/k/v extras."""
+        key = kv_layers[0].data_ptr()
+        if self._layer_args is not None and self._layer_args[0] == key:
+            return self._layer_args[1]
+        q8 = kernels.library().kvf_gemm_q8 if self.decode_int8 else None
+        entries = [[decode for _, decode in layer] for layer in self._gemm_entries]
+        if q8 is None or any(fn is not q8 for layer in entries for fn, _, _ in layer) or any(
+                layer.qkv_bias is not None or layer.qk_norm is not None for layer in self.layers):
+            return None
+        args = (kernels.DecodeLayer * len(self.layers))()
+        for a, layer, es, kv in zip(args, self.layers, entries, kv_layers, strict=True):
+            (_, a.qkv, a.qkv_fmt), (_, a.o, a.o_fmt), (_, a.gate_up, a.gate_up_fmt), (_, a.down, a.down_fmt) = es
+            a.attn_norm, a.mlp_norm, a.kv = layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), kv.data_ptr()
+        self._layer_args = (key, args)
+        return args
 
     def _qkv_extras(self, layer: Layer, qkv: torch.Tensor) -> None:
         """qwen2's q/k/v bias and qwen3's per-head q/k norm, in place on qkv ``[T, H + 2 KV, D]``."""
