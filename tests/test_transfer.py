@@ -138,6 +138,40 @@ def test_pages_land_where_addressed_and_nowhere_else(fresh):
     fresh.check()
 
 
+def test_trim_keeps_every_byte_and_later_writes_land(fresh):
+    """``trim`` (an idle prefill worker lets go of the peer's mapped pages) loses nothing, on every backend."""
+    rng = np.random.default_rng(7)
+    npages = POOL // PAGE
+    for _ in range(2):
+        src, dst = random_pages(rng, 50, npages), random_pages(rng, 50, npages)
+        fresh.write([(int(s) * PAGE, int(d) * PAGE, PAGE) for s, d in zip(src, dst, strict=True)])
+        fresh.initiator.trim()
+        fresh.check()
+
+
+def _mapped_kib(path: str) -> int:
+    """This process's resident KiB of the mapping of ``path`` (``/proc/self/smaps``)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.endswith(path))
+    return int(next(line.split()[1] for line in lines[start + 1 :] if line.startswith("Rss:")))
+
+
+def test_shm_trim_takes_the_peers_pool_out_of_this_process_rss():
+    """shm maps the decode pool into the writer: RSS counts it in both processes until the writer trims."""
+    pair = Pair("shm")
+    try:
+        pair.write([(0, 0, 1 << 20)])
+        path = pair.target.descriptor["path"]
+        assert _mapped_kib(path) >= 1024  # connect maps the whole pool in (MAP_POPULATE)
+        pair.initiator.trim()
+        assert _mapped_kib(path) == 0
+        pair.write([(PAGE, 3 * PAGE, 2 * PAGE)])
+        assert 0 < _mapped_kib(path) <= 64
+        pair.check()
+    finally:
+        pair.close()
+
+
 @pytest.mark.parametrize("nbytes", [1, 64, 4096])
 def test_small_writes_at_unaligned_offsets(fresh, nbytes):
     segs = [(777, 12_345, nbytes), (5 * PAGE + 3, POOL - nbytes, nbytes), (0, 0, nbytes)]

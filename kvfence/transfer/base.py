@@ -329,6 +329,9 @@ class KVInitiator(ABC):
     def _release(self) -> None:  # noqa: B027 (optional hook)
         """Release what the backend registered for the local region (called last by ``close``)."""
 
+    def _trim(self, peer: PeerHandle) -> None:  # noqa: B027 (optional hook)
+        """Unmap the pages of ``peer``'s memory this process has touched, where the backend maps it (``trim``)."""
+
     # -- public API
 
     def connect(self, descriptor: dict) -> PeerHandle:
@@ -368,6 +371,15 @@ class KVInitiator(ABC):
         limit = self.timeout if timeout is None else timeout
         self._check_open()
         return peer.enqueue(lambda: self._run(peer, plan, time.monotonic() + limit))
+
+    def trim(self) -> None:
+        """Let go of the pages of peers' memory mapped into this process (shm), for an idle worker: RSS would
+        otherwise count a decode pool in both processes that map it. Nothing is lost: the next write maps the
+        pages back (minor faults); safe beside a running write."""
+        with self._lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            self._trim(peer)
 
     def close(self) -> None:
         """Finish or cancel pending writes, disconnect every peer, release the local region. Idempotent."""

@@ -239,6 +239,10 @@ class Initiator(KVInitiator):
         if not alive:
             peer.gone()
 
+    def _trim(self, peer: PeerHandle) -> None:
+        assert isinstance(peer, ShmPeer)
+        peer.mm.madvise(mmap.MADV_DONTNEED)  # a shared file mapping: the pages stay in the file, only unmapped here
+
     def _disconnect(self, peer: PeerHandle) -> None:
         assert isinstance(peer, ShmPeer)
         peer.unmap()

@@ -104,6 +104,10 @@ class WorkerBase:
     def check_integrity(self) -> None:
         self.engine.check_integrity()
 
+    def idle(self) -> None:
+        """Once each time the worker runs out of work: every held page must belong to a live request."""
+        self.check_integrity()
+
     def execute(self, action: Action, now: float) -> list[Action]:
         """Carry out one action; may return follow-up actions."""
         if isinstance(action, Send):
@@ -132,7 +136,7 @@ class WorkerBase:
                 self._do(self.step(now), now)
                 idle_checked = False
             elif not idle_checked:
-                self.check_integrity()  # idle: every held page belongs to a live request
+                self.idle()
                 idle_checked = True
             if now >= next_tick:
                 self._do(self.tick(now), now)

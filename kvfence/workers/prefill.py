@@ -220,6 +220,10 @@ class PrefillWorker(WorkerBase):
     def has_work(self) -> bool:
         return self.runner.has_work or bool(self.runner.draining)
 
+    def idle(self) -> None:
+        super().idle()
+        self.initiator.trim()  # decode's pool stops counting in this process's RSS until the next write
+
     def tick(self, now: float) -> list[Action]:
         return self.core.tick(now) + self.collect()
 
