@@ -90,18 +90,17 @@ def _library() -> ctypes.CDLL | None:
         so.kvf_expand_rows.restype = None
     # decode rows of block weights in int8 (VNNI, and AMX int8 from 16 rows): ``DecodeBlocks``
     so.q8 = so.amx and _cpu_has("amx_int8", "avx512_vnni")
-    if so.q8:
+    if so.q8:  # and the layers of a decode-only step in one call
         so.kvf_gemm_q8.argtypes = so.gemm_blocks.argtypes
         so.kvf_gemm_q8.restype = None
+        so.kvf_decode_layers.argtypes = [ptr, ptr, i64]
+        so.kvf_decode_layers.restype = None
     if so.amx:  # the entry points on tiles
         so.kvf_gemm_amx.argtypes = so.kvf_gemm_bf16.argtypes
         so.kvf_gemm_amx.restype = None
         so.kvf_prefill_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
                                              i64, ctypes.c_int]
         so.kvf_prefill_attention.restype = None
-    if so.q8:
-        so.kvf_decode_layers.argtypes = [ptr, ptr, i64]
-        so.kvf_decode_layers.restype = None
     so.kvf_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
                                         ctypes.c_int]
     so.kvf_decode_attention.restype = None
