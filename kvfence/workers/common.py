@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
 TICK_S = 0.05
+TIDY_AFTER_S = 1.0  # idle this long, a worker tidies its memory (``WorkerBase.tidy``)
 
 
 class WorkerBase:
@@ -104,9 +105,12 @@ class WorkerBase:
     def check_integrity(self) -> None:
         self.engine.check_integrity()
 
-    def idle(self) -> None:
-        """Once each time the worker runs out of work: every held page must belong to a live request."""
-        self.check_integrity()
+    def tidy(self) -> None:
+        """Once the worker has idled for ``TIDY_AFTER_S``: give the heap's free pages (a batch's buffers) back to
+        the OS, so an idle deployment's memory reads what it holds."""
+        from kvfence.model.loader import release_free_memory
+
+        release_free_memory()
 
     def execute(self, action: Action, now: float) -> list[Action]:
         """Carry out one action; may return follow-up actions."""
@@ -126,7 +130,8 @@ class WorkerBase:
         self._latest_hello = self.hello()
         threading.Thread(target=self._heartbeat, name="kvfence-heartbeat", daemon=True).start()
         next_tick = 0.0
-        idle_checked = False
+        idle_since: float | None = None  # when the worker last ran out of work; None while it works
+        tidied = False
         while True:
             now = clock()
             busy = self.has_work()
@@ -134,10 +139,13 @@ class WorkerBase:
                 self._do(self.on_message(env.sender, env.msg, now), now)
             if self.has_work():
                 self._do(self.step(now), now)
-                idle_checked = False
-            elif not idle_checked:
-                self.idle()
-                idle_checked = True
+                idle_since = None
+            elif idle_since is None:
+                self.check_integrity()  # idle: every held page belongs to a live request
+                idle_since, tidied = now, False
+            elif not tidied and now - idle_since >= TIDY_AFTER_S:
+                self.tidy()
+                tidied = True
             if now >= next_tick:
                 self._do(self.tick(now), now)
                 next_tick = now + TICK_S

@@ -220,8 +220,8 @@ class PrefillWorker(WorkerBase):
     def has_work(self) -> bool:
         return self.runner.has_work or bool(self.runner.draining)
 
-    def idle(self) -> None:
-        super().idle()
+    def tidy(self) -> None:
+        super().tidy()
         self.initiator.trim()  # decode's pool stops counting in this process's RSS until the next write
 
     def tick(self, now: float) -> list[Action]:
