@@ -132,7 +132,8 @@ class Engine:
             return work, []
         if self.region is not None:
             self._stamp_new_grants(work)
-        tags = [np.concatenate(parts) for parts in zip(*(w.seq.tags for w in work), strict=True)]
+        tags = work[0].seq.tags if len(work) == 1 else [np.concatenate(parts) for parts in
+                                                         zip(*(w.seq.tags for w in work), strict=True)]
         ok = self.pages.verify(*tags)
         if self.region is not None:
             ok &= self.region.tags_match(*tags)

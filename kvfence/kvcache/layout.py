@@ -94,8 +94,11 @@ class RegionView:
                    epochs: np.ndarray) -> np.ndarray:
         """Vectorised: a bool per page, True where its tag record names this owner, epoch and page."""
         tags = self.tags[pages]
-        return ((tags["owner_hi"] == owner_hi) & (tags["owner_lo"] == owner_lo) & (tags["epoch"] == epochs)
-                & (tags["page"] == pages))
+        ok = tags["owner_hi"] == owner_hi
+        ok &= tags["owner_lo"] == owner_lo
+        ok &= tags["epoch"] == epochs
+        ok &= tags["page"] == pages
+        return ok
 
 
 def transfer_checksum(page_checksums: list[int]) -> int:

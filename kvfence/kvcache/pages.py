@@ -33,6 +33,9 @@ class PageState(IntEnum):
     QUARANTINED = 4  # a write may still land; never reused until released
 
 
+_HELD = np.array([PageState.GRANTED <= s <= PageState.READY for s in range(max(PageState) + 1)])  # by state
+
+
 @dataclass(frozen=True)
 class PageGrant:
     page: int
@@ -147,14 +150,11 @@ class PageTable:
 
     def verify(self, pages: np.ndarray, owner_hi: np.ndarray, owner_lo: np.ndarray, epochs: np.ndarray) -> np.ndarray:
         """Vectorised tag check: a bool per page, True where owner and epoch match and the page is held."""
-        state = self.state[pages]
-        return (
-            (self.owner_hi[pages] == owner_hi)
-            & (self.owner_lo[pages] == owner_lo)
-            & (self.epoch[pages] == epochs)
-            & (state >= PageState.GRANTED)
-            & (state <= PageState.READY)
-        )
+        ok = self.owner_hi[pages] == owner_hi
+        ok &= self.owner_lo[pages] == owner_lo
+        ok &= self.epoch[pages] == epochs
+        ok &= _HELD[self.state[pages]]
+        return ok
 
     def check_integrity(self) -> None:
         """Raise ``PageError`` unless every page is in exactly one consistent place."""
