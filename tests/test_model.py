@@ -10,13 +10,14 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from kvfence.config import ModelConfig
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import invariant, kernels
-from kvfence.model.blocks import BLOCK_BYTES, BlockWeight, DecodeBlocks, _unpair_nibbles
+from kvfence.model.blocks import BLOCK_BYTES, BlockWeight, DecodeBlocks
 from kvfence.model.gguf_file import read_gguf
 from kvfence.model.llama import Model, SeqChunk
 from kvfence.model.loader import _unpermute_rope, load_model, smollm2_gguf_path
@@ -608,6 +609,13 @@ def test_the_avx2_kernels_pass_the_kernel_tests_on_an_avx512_host_too():
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:]
 
 
+def random_block_bytes(fmt: str, n: int, k: int, gen: torch.Generator) -> np.ndarray:
+    """An ``[n, k]`` GGUF tensor of ``fmt`` blocks, random but with small fp16 scales (and minimums): no inf or NaN."""
+    raw = torch.randint(0, 256, (n * k // 32 * BLOCK_BYTES[fmt],), dtype=torch.uint8, generator=gen).numpy()
+    raw.reshape(n, k // 32, -1)[:, :, [1, 3] if fmt == "Q4_1" else [1]] = 0x20  # the high bytes of d (and m)
+    return raw
+
+
 @needs_blocks
 def test_block_weights_of_any_shape_expand_exactly():
     """Shapes the SmolLM2 GGUF lacks: an odd number of Q4_1 blocks per row (the last one unpaired) and a weight
@@ -615,8 +623,7 @@ def test_block_weights_of_any_shape_expand_exactly():
     gguf = pytest.importorskip("gguf")
     gen = torch.Generator().manual_seed(9)
     for fmt, (n, k) in (("Q4_1", (80, 96)), ("Q4_1", (16, 32)), ("Q8_0", (80, 96))):
-        raw = torch.randint(0, 256, (n * k // 32 * BLOCK_BYTES[fmt],), dtype=torch.uint8, generator=gen).numpy()
-        raw.reshape(n, k // 32, -1)[:, :, [1, 3] if fmt == "Q4_1" else [1]] = 0x20  # small fp16 scale (and min)
+        raw = random_block_bytes(fmt, n, k, gen)
         w = BlockWeight.from_gguf(fmt, raw, (n, k))
         ref = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, fmt)).reshape(n, k)
         assert torch.equal(w.dequantize(), torch.from_numpy(ref)), (fmt, n, k)
@@ -673,17 +680,12 @@ def int8_decode_reference(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     q = torch.round(xf * scale[..., None])
     dx = amax / 127.0
     sx = dx * q.sum(-1)
-    d = w.rows[:, : 2 * nb].contiguous().view(torch.float16).float()
-    if w.fmt == "Q4_1":
-        m = w.rows[:, 2 * nb : 4 * nb].contiguous().view(torch.float16).float()
-        qw = _unpair_nibbles(w.rows[:, 4 * nb :], nb).long()
-    else:
-        qw = w.rows[:, 2 * nb :].contiguous().view(torch.int8).reshape(n, nb, 32).long()
-    isum = torch.einsum("mbk,nbk->mnb", q.long(), qw)
+    d, m, qw = w.fields()
+    isum = torch.einsum("mbk,nbk->mnb", q.long(), qw.long())
     acc = torch.zeros(M, n)
     for b in range(nb):
         acc = _fma32(isum[:, :, b].float(), d[None, :, b] * dx[:, b, None], acc)
-        if w.fmt == "Q4_1":
+        if m is not None:
             acc = _fma32(m[None, :, b].expand(M, n), sx[:, b, None].expand(M, n), acc)
     return acc.bfloat16()
 
@@ -703,9 +705,7 @@ def test_int8_decode_kernel_computes_its_contract_for_any_rows():
         weights.append(BlockWeight.from_gguf(t.tensor_type.name, parsed.tensor_data(t), tuple(reversed(t.shape))))
     weights[-1] = BlockWeight(weights[-1].fmt, weights[-1].rows[:1024])  # enough of the 49,152 head rows
     for fmt, (n, k) in (("Q4_1", (48, 96)), ("Q8_0", (32, 160))):
-        raw = torch.randint(0, 256, (n * k // 32 * BLOCK_BYTES[fmt],), dtype=torch.uint8, generator=gen).numpy()
-        raw.reshape(n, k // 32, -1)[:, :, [1, 3] if fmt == "Q4_1" else [1]] = 0x20  # small fp16 scale (and min)
-        weights.append(BlockWeight.from_gguf(fmt, raw, (n, k)))
+        weights.append(BlockWeight.from_gguf(fmt, random_block_bytes(fmt, n, k, gen), (n, k)))
     for w in weights:
         g = DecodeBlocks.from_blocks(w)
         x = torch.randn(37, w.shape[1], generator=gen).bfloat16()

@@ -63,17 +63,24 @@ class BlockWeight:
             raise ValueError("cannot fuse weights of different block formats")
         return BlockWeight(weights[0].fmt, torch.cat([w.rows for w in weights]))
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 ``[N, K]``: ``d * q + m`` (Q4_1) or ``d * q`` (Q8_0), each operation rounded in float32."""
+    def fields(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Each block's scale d and (Q4_1; else None) minimum m as float32 ``[N, nb]``, and its values ``[N, nb,
+        32]`` (uint8 0-15 for Q4_1, int8 for Q8_0)."""
         n, k = self.shape
         nb = k // BLOCK
-        d = self.rows[:, : 2 * nb].contiguous().view(torch.float16).float().unsqueeze(-1)  # [N, nb, 1]
+        d = self.rows[:, : 2 * nb].contiguous().view(torch.float16).float()
         if self.fmt == "Q4_1":
-            m = self.rows[:, 2 * nb : 4 * nb].contiguous().view(torch.float16).float().unsqueeze(-1)
-            w = d * _unpair_nibbles(self.rows[:, 4 * nb :], nb).float() + m  # [N, nb, 32]
-        else:
-            w = d * self.rows[:, 2 * nb :].contiguous().view(torch.int8).reshape(n, nb, BLOCK).float()
-        return w.reshape(n, k)
+            m = self.rows[:, 2 * nb : 4 * nb].contiguous().view(torch.float16).float()
+            return d, m, _unpair_nibbles(self.rows[:, 4 * nb :], nb)
+        return d, None, self.rows[:, 2 * nb :].contiguous().view(torch.int8).reshape(n, nb, BLOCK)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[N, K]``: ``d * q + m`` (Q4_1) or ``d * q`` (Q8_0), each operation rounded in float32."""
+        d, m, q = self.fields()
+        w = d.unsqueeze(-1) * q.float()  # [N, nb, 32]
+        if m is not None:
+            w = w + m.unsqueeze(-1)
+        return w.reshape(self.shape)
 
 
 @dataclass(frozen=True)
