@@ -415,7 +415,8 @@ static inline __m512 load_f32(const uint16_t *p) { /* 16 bf16 -> fp32 */
 
 enum { Q41_GROUP_BLOCK = 320, Q80_GROUP_BLOCK = 576, Q8_TILE_ROWS = 16 };
 
-/* x rows -> qx (int8 [M][K]), xu = qx + 128 as uint8 (Q8_0's VNNI operand), dx and sx ([M][K / 32]). */
+/* x rows -> qx (int8 [M][K]), dx and sx ([M][K / 32]), and unless xu is NULL xu = qx + 128 as uint8 (the VNNI
+ * operand for Q8_0 weights). */
 static void quantize_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int8_t *qx, uint8_t *xu, float *dx,
                           float *sx) {
     const int64_t nb = K / 32;
@@ -428,7 +429,8 @@ static void quantize_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, 
             const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
             const __m256i q = _mm256_set_m128i(_mm512_cvtepi32_epi8(qhi), _mm512_cvtepi32_epi8(qlo));
             _mm256_storeu_si256((__m256i *)(qx + m * K + 32 * b), q);
-            _mm256_storeu_si256((__m256i *)(xu + m * K + 32 * b), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
+            if (xu)
+                _mm256_storeu_si256((__m256i *)(xu + m * K + 32 * b), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
             dx[m * nb + b] = amax / 127.0f;
             sx[m * nb + b] = dx[m * nb + b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
         }
@@ -588,7 +590,7 @@ void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint
     float *dx = (float *)(xu + bytes), *sx = (float *)((char *)dx + scales);
     memset(qx + M * K, 0, (Mp - M) * K);
     memset(dx + M * nb, 0, (Mp - M) * nb * 4), memset(sx + M * nb, 0, (Mp - M) * nb * 4);
-    quantize_rows(x, ldx, M, K, qx, xu, dx, sx);
+    quantize_rows(x, ldx, M, K, qx, fmt == FMT_Q8_0 ? xu : NULL, dx, sx);
     const quantized_x qxs = {qx, xu, dx, sx, K, nb};
 #pragma omp parallel num_threads(nthreads)
     {
