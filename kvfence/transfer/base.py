@@ -42,7 +42,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 import numpy as np
 
@@ -132,26 +132,38 @@ _SMALL_PLAN = 16  # below this many segments plain Python beats NumPy's per-call
 
 def _plan_small(segments: Sequence[Segment], src_size: int, dst_size: int) -> Plan:
     plan: Plan = []
-    index = operator.index
+    try:
+        for src, dst, n in segments:
+            if not type(src) is type(dst) is type(n) is int:  # NumPy integers and the like
+                src, dst, n = operator.index(src), operator.index(dst), operator.index(n)
+            if n < 0 or src < 0 or dst < 0 or src + n > src_size or dst + n > dst_size:
+                _raise_for_first_bad(segments, src_size, dst_size)
+            if n == 0:
+                continue
+            if plan:
+                s0, d0, n0 = plan[-1]
+                if s0 + n0 == src and d0 + n0 == dst:
+                    plan[-1] = (s0, d0, n0 + n)
+                    continue
+            plan.append((src, dst, n))
+    except (TypeError, ValueError):  # not a triple of integers
+        _raise_for_first_bad(segments, src_size, dst_size)
+    return plan
+
+
+def _raise_for_first_bad(segments: Sequence[Segment], src_size: int, dst_size: int) -> NoReturn:
+    """Raise ``SegmentError`` naming the first malformed or out-of-range segment."""
     for i, seg in enumerate(segments):
         try:
             src, dst, n = seg
-            src, dst, n = index(src), index(dst), index(n)
+            src, dst, n = operator.index(src), operator.index(dst), operator.index(n)
         except (TypeError, ValueError) as e:
             raise SegmentError(f"segment {i} {seg!r} is not a (src, dst, nbytes) integer triple: {e}") from None
         if n < 0 or src < 0 or dst < 0 or src + n > src_size or dst + n > dst_size:
             raise SegmentError(
                 f"segment {i} {(src, dst, n)} is outside the source [0, {src_size}) or the target [0, {dst_size})"
             )
-        if n == 0:
-            continue
-        if plan:
-            s0, d0, n0 = plan[-1]
-            if s0 + n0 == src and d0 + n0 == dst:
-                plan[-1] = (s0, d0, n0 + n)
-                continue
-        plan.append((src, dst, n))
-    return plan
+    raise AssertionError("no bad segment found")
 
 
 def _plan_large(segments: Sequence[Segment] | np.ndarray, src_size: int, dst_size: int) -> np.ndarray:
@@ -242,12 +254,8 @@ class PeerHandle:
         self._queue: cf.ThreadPoolExecutor | None = None
         self._tail: cf.Future | None = None
         self._gate = threading.Lock()  # held by the write running on this peer; teardown takes it after that write
+        self.exit = self._gate.release  # ends a write that ``enter`` started
         self._closed = False
-
-    def check_usable(self) -> None:
-        """Raise if an earlier transport failure poisoned this peer."""
-        if self.failure is not None:
-            raise TransferError(f"peer unusable after an earlier failure: {self.failure}") from self.failure
 
     def poison(self, error: TransferError) -> None:
         if self.failure is None:
@@ -275,16 +283,18 @@ class PeerHandle:
                 raise TransferTimeout("timed out waiting for earlier submitted writes to this peer")
 
     def enter(self, deadline: float) -> None:
-        """Start a write: wait (until ``deadline``) for the one running on this peer, if any, and refuse once the
-        peer is closing, so teardown never races a write. One write per peer at a time."""
-        if not self._gate.acquire(blocking=False) and not self._gate.acquire(timeout=remaining(deadline)):
-            raise TransferTimeout("timed out waiting for another write to this peer")
-        if self._closed:
+        """Start a write: wait (until ``deadline``) for the one running on this peer, if any. Refuse once an
+        earlier transport failure poisoned the peer (before waiting, too) or once it is closing, so teardown never
+        races a write. One write per peer at a time; ``exit()`` ends it."""
+        if self.failure is None and (self._gate.acquire(False) or self._gate.acquire(True, remaining(deadline))):
+            if self.failure is None and not self._closed:
+                return
             self._gate.release()
+        if self.failure is not None:
+            raise TransferError(f"peer unusable after an earlier failure: {self.failure}") from self.failure
+        if self._closed:
             raise TransferError("peer closed")
-
-    def exit(self) -> None:
-        self._gate.release()
+        raise TransferTimeout("timed out waiting for another write to this peer")
 
     def shutdown(self) -> None:
         """Refuse new writes, cancel queued ones, and wait for the running one (bounded by its timeout)."""
@@ -401,7 +411,6 @@ class KVInitiator(ABC):
     # -- internals
 
     def _run(self, peer: PeerHandle, plan: Plan, deadline: float) -> None:
-        peer.check_usable()
         peer.enter(deadline)
         try:
             self._write(peer, plan, deadline)
