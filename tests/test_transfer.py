@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sysconfig
 import threading
 import time
@@ -26,6 +27,7 @@ from kvfence.transfer import (
     BACKENDS,
     SegmentError,
     TransferError,
+    TransferTimeout,
     available,
     make_initiator,
     shm,
@@ -409,4 +411,49 @@ def test_write_after_graceful_target_close_fails(kind):
         target.close_target()
         with pytest.raises(TransferError):
             ini.write(peer, [(0, 0, PAGE)])
+    target.close()
+
+
+# ---------------------------------------------------------------------------- tcp specifics
+
+
+@pytest.mark.parametrize("nbytes", [PAGE, 48 << 20], ids=["ack-wait", "send-blocks"])
+def test_tcp_kernel_bounds_keep_each_writes_own_timeout(nbytes):
+    """tcp bounds its blocking calls in the kernel and re-arms the bound only when a write's time left differs:
+    against a frozen target (waiting for the ack, or with the payload stuck in full socket buffers), a write
+    with a longer timeout than the last one on its connection waits that long, and one with a shorter timeout
+    gives up that soon. After the target resumes, fresh connections work."""
+    target = TargetProcess("tcp", 64 << 20)
+    with make_initiator("tcp", 64 << 20, timeout=30.0) as up, make_initiator("tcp", 64 << 20, timeout=30.0) as down:
+        up.write(up.connect(target.descriptor), [(0, 0, nbytes)], timeout=0.3)  # armed at ~0.3 s
+        down.write(down.connect(target.descriptor), [(0, 0, nbytes)])  # armed at ~30 s
+        os.kill(target.proc.pid, signal.SIGSTOP)
+        try:
+            for ini, timeout in ((up, 1.2), (down, 0.3)):
+                t0 = time.monotonic()
+                with pytest.raises(TransferTimeout):
+                    ini.write(ini.connect(target.descriptor), [(0, 0, nbytes)], timeout=timeout)
+                assert timeout - 0.05 < time.monotonic() - t0 < timeout + 0.5
+        finally:
+            os.kill(target.proc.pid, signal.SIGCONT)
+        for ini in (up, down):
+            ini.write(ini.connect(target.descriptor), [(0, 0, nbytes)])  # the timeout poisoned the peer: a new one
+            assert target.digest(0, nbytes) == xxhash.xxh3_64_intdigest(ini.buffer[:nbytes])
+    target.close()
+
+
+def test_tcp_data_sockets_do_not_pace():
+    """BBR paces a connection's bursts once it has carried large ones (a 64 KiB write then took 55 instead of
+    20 us on loopback); kvfence's tcp sockets pick cubic or reno where the kernel lets them."""
+    from kvfence.transfer import tcp
+
+    congestion = tcp._unpaced_congestion()
+    if congestion is None:
+        pytest.skip("neither cubic nor reno may be set here")
+    target = TargetProcess("tcp", 4 << 20)
+    with make_initiator("tcp", 4 << 20) as ini:
+        peer = ini.connect(target.descriptor)
+        ini.write(peer, [(0, 0, PAGE)])
+        (conn,) = peer._pool
+        assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == congestion
     target.close()
