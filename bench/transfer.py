@@ -6,19 +6,34 @@ round times, in rotating order:
 - ``memcpy``: a plain ``memmove`` of the same size between two regions of this process;
 - ``raw``: the backend's bare baseline. tcp: a loopback socket send/recv_into with a
   1-byte ack (same socket options); mooncake: one ``transfer_sync_write`` of one block;
-  nixl: one single-descriptor NIXL WRITE (descriptors built per call, polled to DONE);
+  nixl: one single-descriptor WRITE request through NIXL's bindings (descriptor lists built per call, posted,
+  polled to success, released), the calls kvfence's nixl write makes;
   shm: none (memcpy is its baseline);
 - ``write``: a kvfence ``write`` of one contiguous segment;
 - ``paged``: a kvfence ``write`` of the same bytes as ``--page``-sized segments
   (default: one 16-token page of SmolLM2-135M in bf16) scattered to permuted pages.
+
+The variants interleave finely: a sample's repetitions run in 16 slices, each
+slice running every variant in turn.
 
 Two modes: ``hot`` moves the same bytes every repetition (small sizes stay in
 cache), ``cold`` steps source and destination through a 64 MiB window (what
 moving freshly computed pages looks like once they left the caches). Medians
 over rounds; a first round warms up and is dropped.
 
+Placements: where the scheduler puts the two processes decides a small write's
+time on this 2-core machine, and it puts each of the target's threads (one per
+connection: the raw baseline's and kvfence's) on its own, so unpinned runs can
+time kvfence and its baseline in different conditions (a loopback 64 KiB
+round trip takes ~15 us on one core, ~85 us across two, either of them when
+unpinned). Each round therefore runs every variant in each placement, pinning
+every thread of both processes: ``split`` puts the initiator on one CPU and the
+target on another (as serving's prefill and decode workers), ``shared`` puts
+both on one CPU (every microsecond either side spends shows). ``free`` pins
+nothing.
+
     .venv/bin/python bench/transfer.py [--backends shm,tcp,mooncake,nixl] [--rounds 5] \\
-        [--json bench/results/transfer.json]
+        [--placements split,shared] [--json bench/results/transfer.json]
 """
 
 from __future__ import annotations
@@ -41,20 +56,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvfence.transfer import BACKENDS, KVInitiator, PeerHandle, available, make_initiator  # noqa: E402
 from kvfence.transfer.base import Region  # noqa: E402
-from kvfence.transfer.harness import TargetProcess  # noqa: E402
+from kvfence.transfer.harness import TargetProcess, pin_threads  # noqa: E402
 from kvfence.transfer.tcp import _recv_exact, _tune  # noqa: E402
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = (64 * KIB, 1 * MIB, 64 * MIB)
 WINDOW = 64 * MIB  # regions on both sides; cold mode walks through all of it
 SMOLLM2_PAGE = 16 * 30 * 2 * 3 * 64 * 2  # tokens x layers x (K,V) x kv_heads x head_dim x bf16 = 368,640 B
-BYTES_PER_SAMPLE = 256 * MIB  # each timed sample moves about this much (at least 3 repetitions)
+BYTES_PER_SAMPLE = 256 * MIB  # each timed sample moves about this much (at least 8 repetitions)
+BLOCKS = 16  # slices of a sample, each running every variant in turn
 MODES = ("hot", "cold")
+PLACEMENTS = ("split", "shared", "free")
 Op = Callable[[int], None]  # one transfer of the variant's size at this source/destination offset
 
 
 def reps_for(size: int) -> int:
-    return max(3, min(1024, BYTES_PER_SAMPLE // size))
+    return max(8, min(1024, BYTES_PER_SAMPLE // size))
 
 
 def offsets(mode: str, size: int, reps: int) -> list[int]:
@@ -64,11 +81,23 @@ def offsets(mode: str, size: int, reps: int) -> list[int]:
     return [(i % slots) * size for i in range(reps)]
 
 
-def gbps(op: Op, size: int, offs: list[int]) -> float:
-    t = time.perf_counter()
-    for off in offs:
-        op(off)
-    return size * len(offs) / (time.perf_counter() - t) / 1e9
+def gbps(ops: dict[str, Op], size: int, offs: list[int], start: int) -> dict[str, float]:
+    """GB/s of each op over ``offs``, interleaved: the offsets run in ``BLOCKS`` slices, and each slice runs every
+    op in turn (the order rotating from slice to slice, from ``start``), so that a drift of the machine's speed
+    lasting longer than a slice hits every op alike."""
+    names = list(ops)
+    spent = dict.fromkeys(names, 0.0)
+    step = -(-len(offs) // BLOCKS)
+    for b, lo in enumerate(range(0, len(offs), step)):
+        block = offs[lo : lo + step]
+        k = (start + b) % len(names)
+        for name in names[k:] + names[:k]:
+            op = ops[name]
+            t = time.perf_counter()
+            for off in block:
+                op(off)
+            spent[name] += time.perf_counter() - t
+    return {name: size * len(offs) / spent[name] / 1e9 for name in names}
 
 
 # ---------------------------------------------------------------------------- baselines
@@ -85,8 +114,9 @@ def raw_tcp(target: TargetProcess, ini: KVInitiator, peer: PeerHandle) -> Callab
 
     def make(size: int) -> Op:
         def op(off: int) -> None:
-            sock.sendall(off.to_bytes(8, "little") + size.to_bytes(8, "little"))
-            sock.sendall(local[off : off + size])
+            head = off.to_bytes(8, "little") + size.to_bytes(8, "little")
+            if sock.sendmsg([head, local[off : off + size]]) != 16 + size:  # a partial send: the rest
+                raise RuntimeError("raw tcp: partial send")
             _recv_exact(sock, 1)
 
         return op
@@ -108,19 +138,20 @@ def raw_mooncake(target: TargetProcess, ini: KVInitiator, peer: PeerHandle) -> C
 
 
 def raw_nixl(target: TargetProcess, ini: KVInitiator, peer: PeerHandle) -> Callable[[int], Op]:
-    agent, src, dst = ini._agent, ini.region.address, peer.base
+    """NIXL's bindings, as kvfence's nixl write calls them, with nothing around them."""
+    core, dlist, op_write, src, dst = ini._core, ini._dlist, ini._write_op, ini.region.address, peer.base
+    in_progress, success = ini._in_progress, ini._success
 
     def make(size: int) -> Op:
         def op(off: int) -> None:
-            local = agent.get_xfer_descs([(src + off, size, 0)], "DRAM")
-            remote = agent.get_xfer_descs([(dst + off, size, 0)], "DRAM")
-            handle = agent.initialize_xfer("WRITE", local, remote, peer.remote_name)
-            state = agent.transfer(handle)
-            while state == "PROC":
-                state = agent.check_xfer_state(handle)
-            agent.release_xfer_handle(handle)
-            if state != "DONE":
-                raise RuntimeError(f"raw nixl write ended {state}")
+            request = core.createXferReq(op_write, dlist([(src + off, size, 0)]), dlist([(dst + off, size, 0)]),
+                                         peer.remote_name, b"", [])
+            status = core.postXferReq(request, b"")
+            while status == in_progress:
+                status = core.getXferStatus(request)
+            core.releaseXferReq(request)
+            if status != success:
+                raise RuntimeError(f"raw nixl write ended {status}")
 
         return op
 
@@ -170,7 +201,21 @@ def variants(
     return out
 
 
-def bench_backend(kind: str, rounds: int, page: int, memcpy: tuple[Region, Region]) -> list[dict]:
+def place(placement: str, target: TargetProcess) -> None:
+    """Pin every thread of this process and of the target for ``placement`` (``free``: any CPU for all)."""
+    cpus = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    mine, theirs = {
+        "split": ({cpus[0]}, {cpus[1 % len(cpus)]}),
+        "shared": ({cpus[0]}, {cpus[0]}),
+        "free": (set(cpus), set(cpus)),
+    }[placement]
+    pin_threads(os.getpid(), mine)
+    target.pin(theirs)
+
+
+def bench_backend(
+    kind: str, rounds: int, page: int, memcpy: tuple[Region, Region], placements: list[str]
+) -> list[dict]:
     target = TargetProcess(kind, WINDOW)
     ini = make_initiator(kind, WINDOW)
     try:
@@ -178,27 +223,34 @@ def bench_backend(kind: str, rounds: int, page: int, memcpy: tuple[Region, Regio
         raw_name, raw_factory = RAW.get(kind, (None, None))
         raw = raw_factory(target, ini, peer) if raw_factory else None
         table = {size: variants(kind, size, ini, peer, memcpy, raw, page) for size in SIZES}
-        samples: dict[tuple[str, int, str], list[float]] = {}
+        samples: dict[tuple[str, str, int, str], list[float]] = {}
         for r in range(rounds + 1):
-            for mode in MODES:
-                for size in SIZES:
-                    names = list(table[size])
-                    names = names[r % len(names) :] + names[: r % len(names)]  # no variant always first
-                    offs = offsets(mode, size, reps_for(size))
-                    for name in names:
-                        value = gbps(table[size][name], size, offs)
-                        if r:  # round 0 warms caches, connections and page tables
-                            samples.setdefault((mode, size, name), []).append(value)
-        return [row(kind, mode, size, raw_name, page, samples) for mode in MODES for size in SIZES]
+            for placement in placements:
+                place(placement, target)
+                for mode in MODES:
+                    for size in SIZES:
+                        offs = offsets(mode, size, reps_for(size))
+                        for name, value in gbps(table[size], size, offs, r).items():
+                            if r:  # round 0 warms caches, connections and page tables
+                                samples.setdefault((placement, mode, size, name), []).append(value)
+        return [
+            row(kind, placement, mode, size, raw_name, page, samples)
+            for placement in placements
+            for mode in MODES
+            for size in SIZES
+        ]
     finally:
+        place("free", target)
         ini.close()
         target.close()
 
 
-def row(kind: str, mode: str, size: int, raw_name: str | None, page: int, samples: dict) -> dict:
-    med = {name: statistics.median(v) for (m, s, name), v in samples.items() if (m, s) == (mode, size)}
+def row(kind: str, placement: str, mode: str, size: int, raw_name: str | None, page: int, samples: dict) -> dict:
+    key = (placement, mode, size)
+    med = {name: statistics.median(v) for (*k, name), v in samples.items() if tuple(k) == key}
     out = {
         "backend": kind,
+        "placement": placement,
         "mode": mode,
         "size": size,
         "page": page,
@@ -229,6 +281,7 @@ def pct(r: dict, key: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
+        "placement",
         "mode",
         "backend",
         "size",
@@ -248,6 +301,7 @@ def table(rows: list[dict]) -> str:
             "| "
             + " | ".join(
                 [
+                    r["placement"],
                     r["mode"],
                     r["backend"],
                     human(r["size"]),
@@ -271,8 +325,12 @@ def main() -> None:
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--page", type=int, default=SMOLLM2_PAGE, help="segment size of the paged variant")
+    ap.add_argument("--placements", default="split,shared", help=f"comma-separated, of {', '.join(PLACEMENTS)}")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    placements = args.placements.split(",")
+    if not set(placements) <= set(PLACEMENTS):
+        ap.error(f"--placements: choose from {', '.join(PLACEMENTS)}")
     memcpy = (Region.anonymous(WINDOW), Region.anonymous(WINDOW))
     rows: list[dict] = []
     for kind in args.backends.split(","):
@@ -281,9 +339,9 @@ def main() -> None:
             print(f"{kind}: unavailable: {why}", file=sys.stderr)
             continue
         t = time.perf_counter()
-        rows += bench_backend(kind, args.rounds, args.page, memcpy)
+        rows += bench_backend(kind, args.rounds, args.page, memcpy, placements)
         print(f"{kind}: done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-    rows.sort(key=lambda r: (MODES.index(r["mode"]), BACKENDS.index(r["backend"]), r["size"]))
+    rows.sort(key=lambda r: (r["placement"], MODES.index(r["mode"]), BACKENDS.index(r["backend"]), r["size"]))
     print(
         f"GB/s (1e9 B/s), medians of {args.rounds} interleaved rounds; target in another process; "
         f"paged = {args.page}-byte segments"
@@ -296,6 +354,7 @@ def main() -> None:
             "machine": platform.machine(),
             "python": platform.python_version(),
             "rounds": args.rounds,
+            "placements": placements,
             "page": args.page,
             "window": WINDOW,
         }

@@ -54,6 +54,10 @@ class TargetProcess:
         payload), received into a region of ``nbytes`` at ``offset`` and acked with one byte."""
         return tuple(self._call("raw_sink"))
 
+    def pin(self, cpus: set[int]) -> None:
+        """Run every thread of the child on ``cpus`` (threads it starts later inherit it from their creator)."""
+        pin_threads(self.proc.pid, cpus)
+
     def kill(self) -> None:
         """SIGKILL the child and reap it."""
         if self.proc.is_alive():
@@ -84,6 +88,15 @@ class TargetProcess:
         if not ok:
             raise TransferError(f"{what}: {payload}")
         return payload
+
+
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Set the CPU affinity of every thread of process ``pid`` (``sched_setaffinity`` of a pid sets one thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile
 
 
 def _child_main(kind: str, nbytes: int, opts: dict, conn: Any) -> None:
