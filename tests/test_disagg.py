@@ -7,14 +7,18 @@ killed with SIGKILL costs its in-flight requests a clear 503 within seconds and 
 import asyncio
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import zmq
 
-from tests.server import Server
+from tests.server import ROOT, Server, free_port
 from tests.tiny_models import tiny_model_dir
 
 PROMPTS = [f"Prompt number {i}: tell me about topic {i * 7}." for i in range(7)]
@@ -148,3 +152,100 @@ def test_malformed_control_messages_are_dropped_not_fatal(four_workers):
     assert httpx.get(four_workers.url + "/health").status_code == 200
     for i in range(4):  # both prefill workers still serve
         assert completion(four_workers.client(), f"still alive {i}")
+
+
+def test_data_plane_addresses_follow_the_workers_control_addresses():
+    from kvfence.workers.settings import WorkerSettings
+
+    def options(transfer: str, side: str, bind: str, advertise: str | None = None) -> dict:
+        settings = WorkerSettings("decode", bind, "tcp://10.0.0.1:5550", "m", "bf16", "cpu", 64, 64,
+                                  transfer=transfer, advertise=advertise)
+        return settings.data_plane_options(side)
+
+    one_host = [("tcp://127.0.0.1:5551", None), ("ipc:///tmp/w", None), ("tcp://localhost:1", None)]
+    for transfer in ("shm", "tcp", "mooncake", "nixl"):
+        for bind, advertise in one_host:
+            assert options(transfer, "target", bind, advertise) == {}
+    assert options("tcp", "target", "tcp://0.0.0.0:5551", "tcp://10.0.0.2:5551") == {"host": "0.0.0.0",
+                                                                                       "advertise": "10.0.0.2"}
+    assert options("tcp", "target", "tcp://10.0.0.2:5551") == {"host": "10.0.0.2", "advertise": None}
+    assert options("tcp", "initiator", "tcp://0.0.0.0:5551", "tcp://10.0.0.1:5551") == {}
+    for side in ("target", "initiator"):
+        assert options("mooncake", side, "tcp://*:5551", "tcp://[fd00::2]:5551") == {"hostname": "fd00::2"}
+        assert options("nixl", side, "tcp://0.0.0.0:5551", "tcp://10.0.0.2:5551") == {}
+
+
+def non_loopback_address() -> str | None:
+    """This host's address on its default route (no packet is sent), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The local IPv4 addresses on which process ``pid`` has listening TCP sockets (from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+            found.add(socket.inet_ntoa(bytes.fromhex(fields[1].split(":")[0])[::-1]))
+    return found
+
+
+def test_readme_several_hosts_commands_serve_beyond_loopback(model, reference, tmp_path):
+    """The README's "Several hosts" commands, one process per role, on this host's non-loopback address. The
+    output equals colocated serving, and the decode worker listens for KV only on that interface or all of them:
+    its tcp data plane used to bind 127.0.0.1, which a prefill worker on another host cannot reach."""
+    ip = non_loopback_address()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 address here")
+    router, prefill, decode, http = (free_port() for _ in range(4))
+    common = ["--model", model, *COMMON[:2]]
+    worker = [*common, "--kv-pool-tokens", COMMON[3], "--router", f"tcp://{ip}:{router}", "--transfer", "tcp"]
+    commands = {
+        "router": ["router", "--bind", f"tcp://0.0.0.0:{router}", "--advertise", f"tcp://{ip}:{router}",
+                   "--port", str(http), "--host", "0.0.0.0", *common],
+        "prefill": ["prefill", "--bind", f"tcp://0.0.0.0:{prefill}", "--advertise", f"tcp://{ip}:{prefill}", *worker],
+        "decode": ["decode", "--bind", f"tcp://0.0.0.0:{decode}", "--advertise", f"tcp://{ip}:{decode}", *worker],
+    }
+    procs = {role: subprocess.Popen([sys.executable, "-m", "kvfence.cli", *args], cwd=ROOT, start_new_session=True,
+                                    stdout=open(tmp_path / f"{role}.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+             for role, args in commands.items()}
+    try:
+        url = f"http://{ip}:{http}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs.values()), {r: (tmp_path / f"{r}.log").read_text()[-2000:]
+                                                                   for r in procs}
+            try:
+                if httpx.get(url + "/health", timeout=2).json().get("status") == "ok":
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            pytest.fail("the three processes did not become ready")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert {p: completion(client, p) for p in PROMPTS[:3]} == {p: reference[p] for p in PROMPTS[:3]}
+        listening = listening_addresses(procs["decode"].pid)
+        assert listening and "127.0.0.1" not in listening, listening
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -33,7 +33,7 @@ class DecodeWorker(WorkerBase):
         from kvfence.transfer.base import make_target
 
         layout = self.layout(settings.pool_tokens)
-        self.target = make_target(settings.transfer, layout.nbytes)
+        self.target = make_target(settings.transfer, layout.nbytes, **settings.data_plane_options("target"))
         pool = self.make_pool(settings.pool_tokens, self.target.buffer)
         self._engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
                               self.dtype, pool=pool, safety=self.safety, remote_writes=True)

@@ -161,7 +161,7 @@ class PrefillWorker(WorkerBase):
         from kvfence.transfer.base import make_initiator
 
         layout = self.layout(settings.pool_tokens)
-        self.initiator = make_initiator(settings.transfer, layout.nbytes)
+        self.initiator = make_initiator(settings.transfer, layout.nbytes, **settings.data_plane_options("initiator"))
         self.runner = PrefillRunner(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
                                     self.dtype, pool=self.make_pool(settings.pool_tokens, self.initiator.buffer),
                                     initiator=self.initiator)

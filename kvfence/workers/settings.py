@@ -3,6 +3,8 @@ process) can build and pickle them without importing the worker code."""
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from dataclasses import dataclass
 
 
@@ -29,3 +31,43 @@ class WorkerSettings:
     solo_threads: int = 0  # threads when the other role idles (decode: no prefill pending; prefill: idle_pair)
     log_level: str = "INFO"
     handoff_timeout: float = 30.0  # each handoff step (decode: pages, then Done; prefill: Dest) may take this long
+
+    def data_plane_options(self, side: str) -> dict:
+        """Options for this worker's transfer backend (``side``: "target" on decode, "initiator" on prefill).
+
+        On one host (loopback or ``ipc://`` control addresses) the backends' loopback defaults serve. A worker
+        bound elsewhere serves peers on other hosts: tcp's target then listens on the ``--bind`` host and is
+        dialled at the ``--advertise`` host, and Mooncake's engine runs on the advertised host. shm needs one
+        host and NIXL's UCX finds the interfaces itself.
+        """
+        bind = _tcp_host(self.bind)
+        if bind is None or _loopback(bind):
+            return {}
+        public = _tcp_host(self.advertise) if self.advertise else None
+        if public in _WILDCARDS:
+            public = None
+        if self.transfer == "tcp" and side == "target":
+            return {"host": "0.0.0.0" if bind in _WILDCARDS else bind, "advertise": public}
+        if self.transfer == "mooncake":
+            return {"hostname": public or (socket.gethostname() if bind in _WILDCARDS else bind)}
+        return {}
+
+
+_WILDCARDS = ("*", "0.0.0.0", "::", "")
+
+
+def _tcp_host(address: str) -> str | None:
+    """The host of a ZeroMQ ``tcp://HOST:PORT`` address (brackets of an IPv6 host removed); None for other kinds."""
+    if not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://") :].rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") else host
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name or an interface
