@@ -454,6 +454,6 @@ def test_tcp_data_sockets_do_not_pace():
     with make_initiator("tcp", 4 << 20) as ini:
         peer = ini.connect(target.descriptor)
         ini.write(peer, [(0, 0, PAGE)])
-        (conn,) = peer._pool
+        (conn,) = peer._idle
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == congestion
     target.close()

@@ -24,8 +24,10 @@ congestion control that does not pace bursts (see ``_unpaced_congestion``).
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import math
 import socket
 import struct
 import threading
@@ -277,22 +279,24 @@ class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(None)
         self.sock = sock
-        self.armed = 0.0  # seconds the kernel allows one blocking call; 0: not armed yet
+        self.armed = math.inf  # seconds the kernel allows one blocking call (none set yet: unbounded)
 
     def arm(self, deadline: float) -> None:
         """Bound each blocking call by the time left until ``deadline``; raises ``TransferTimeout`` if none is."""
-        left = remaining(deadline)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout("transfer timed out")
         if abs(self.armed - left) > ARM_SLACK:
             tv = TIMEVAL.pack(int(left), max(1, int(left % 1 * 1e6)))  # all zero would mean no bound at all
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             self.armed = left
 
-    def send_all(self, views: list[memoryview | bytes], deadline: float) -> None:
-        """Send every buffer in order (gather send)."""
+    def send_all(self, views: list[memoryview | bytes], nbytes: int, deadline: float) -> None:
+        """Send every buffer in order (gather send); ``nbytes`` is their total length."""
         self.arm(deadline)
         sent = self.sock.sendmsg(views[:IOV_MAX])
-        if len(views) <= IOV_MAX and sent == sum(map(len, views)):
+        if sent == nbytes:
             return  # the common case: everything went in one call
         pending = [memoryview(v) for v in views if len(v)]
         i = 0
@@ -312,7 +316,8 @@ class _Conn:
 
     def recv_exact(self, n: int, deadline: float) -> bytes:
         """Exactly ``n`` bytes, or ``ConnectionError`` on EOF."""
-        data = b""
+        self.arm(deadline)
+        data = self.sock.recv(n, socket.MSG_WAITALL)
         while len(data) < n:
             self.arm(deadline)
             more = self.sock.recv(n - len(data), socket.MSG_WAITALL)
@@ -327,14 +332,14 @@ class TcpPeer(PeerHandle):
         super().__init__(descriptor)
         self.address = (descriptor["host"], int(descriptor["port"]))
         self.target_id = bytes.fromhex(descriptor["id"])
-        self._pool: list[_Conn] = []
-        self._pool_lock = threading.Lock()
+        self._idle: collections.deque[_Conn] = collections.deque()  # append and pop are atomic: no lock needed
 
     def take(self, deadline: float) -> _Conn:
         """An idle connection, or a new one that passed the hello."""
-        with self._pool_lock:
-            if self._pool:
-                return self._pool.pop()
+        try:
+            return self._idle.pop()
+        except IndexError:
+            pass
         try:
             sock = socket.create_connection(self.address, timeout=remaining(deadline))
         except OSError as e:
@@ -352,14 +357,14 @@ class TcpPeer(PeerHandle):
         return _Conn(sock)
 
     def give_back(self, conn: _Conn) -> None:
-        with self._pool_lock:
-            self._pool.append(conn)
+        self._idle.append(conn)
 
     def close_all(self) -> None:
-        with self._pool_lock:
-            idle, self._pool = self._pool, []
-        for conn in idle:
-            conn.sock.close()
+        while self._idle:
+            try:
+                self._idle.pop().sock.close()
+            except IndexError:
+                return
 
 
 class Initiator(KVInitiator):
@@ -402,7 +407,7 @@ class Initiator(KVInitiator):
             total = sum(n for _, _, n in plan)
             head = BATCH.pack(b"KVFB", len(plan), total) + _pack_table(plan)
             payload = [buf[s : s + n] for s, _, n in plan]
-        conn.send_all([head, *payload], deadline)
+        conn.send_all([head, *payload], len(head) + total, deadline)
         magic, acked = ACK.unpack(conn.recv_exact(ACK.size, deadline))
         if magic != b"KVAK" or acked != total:
             raise TransferError(f"tcp target acked {acked} of {total} bytes ({magic!r})")
