@@ -67,6 +67,7 @@ BYTES_PER_SAMPLE = 256 * MIB  # each timed sample moves about this much (at leas
 BLOCKS = 16  # slices of a sample, each running every variant in turn
 MODES = ("hot", "cold")
 PLACEMENTS = ("split", "shared", "free")
+CPUS = sorted(os.sched_getaffinity(0))  # the CPUs this process may use, read before any pinning
 Op = Callable[[int], None]  # one transfer of the variant's size at this source/destination offset
 
 
@@ -115,7 +116,7 @@ def raw_tcp(target: TargetProcess, ini: KVInitiator, peer: PeerHandle) -> Callab
     def make(size: int) -> Op:
         def op(off: int) -> None:
             head = off.to_bytes(8, "little") + size.to_bytes(8, "little")
-            if sock.sendmsg([head, local[off : off + size]]) != 16 + size:  # a partial send: the rest
+            if sock.sendmsg([head, local[off : off + size]]) != 16 + size:  # a blocking socket sends it all
                 raise RuntimeError("raw tcp: partial send")
             _recv_exact(sock, 1)
 
@@ -202,12 +203,12 @@ def variants(
 
 
 def place(placement: str, target: TargetProcess) -> None:
-    """Pin every thread of this process and of the target for ``placement`` (``free``: any CPU for all)."""
-    cpus = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    """Pin every thread of this process and of the target for ``placement`` (``free``: any CPU this process may
+    use). With one CPU, ``split`` is ``shared``."""
     mine, theirs = {
-        "split": ({cpus[0]}, {cpus[1 % len(cpus)]}),
-        "shared": ({cpus[0]}, {cpus[0]}),
-        "free": (set(cpus), set(cpus)),
+        "split": ({CPUS[0]}, {CPUS[1 % len(CPUS)]}),
+        "shared": ({CPUS[0]}, {CPUS[0]}),
+        "free": (set(CPUS), set(CPUS)),
     }[placement]
     pin_threads(os.getpid(), mine)
     target.pin(theirs)

@@ -8,8 +8,9 @@ creates a WRITE request from two descriptor lists, posts it and polls it until
 it succeeds. It does so through the agent's bindings (``nixlAgent``), which the
 Python ``nixl_agent`` wraps with checks and conversions that cost ~1.8 us per
 write (a quarter of a 64 KiB write). A NIXL/UCX WRITE succeeds only after a
-flush, i.e. once the data is in the remote memory. On one host UCX moves the bytes with shared-memory
-transports (CMA), between hosts over TCP or RDMA (steer with ``UCX_TLS``).
+flush, i.e. once the data is in the remote memory. On one host UCX moves the
+bytes with shared-memory transports (CMA), between hosts over TCP or RDMA
+(steer with ``UCX_TLS``).
 
 NIXL itself rejects a range outside the target's registered memory, and a
 vanished peer surfaces as NIXL_ERR_REMOTE_DISCONNECT (or our deadline).
