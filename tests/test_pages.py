@@ -1,8 +1,13 @@
 """Page bookkeeping: exact page ids, epochs, free order, ownership rules."""
 
+import shutil
+import sysconfig
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from kvfence.kvcache.layout import KVLayout, RegionView
 from kvfence.kvcache.pages import OutOfPages, PageError, PageGrant, PageState, PageTable
 
 A = 0xA000_0000_0000_0000_0000_0000_0000_0001  # 128-bit owners: the high half matters
@@ -10,7 +15,7 @@ B = 0xB000_0000_0000_0000_0000_0000_0000_0001
 
 
 def tags(table: PageTable, owner: int, grants: list[PageGrant]):
-    pages = np.array([g.page for g in grants])
+    pages = np.array([g.page for g in grants], dtype=np.int64)
     n = len(grants)
     return (
         pages,
@@ -112,3 +117,76 @@ def test_integrity_check_detects_corruption():
     t.state[1] = PageState.GRANTED  # a page both free-queued and held
     with pytest.raises(PageError):
         t.check_integrity()
+
+
+def test_tag_check_in_c_builds_here():
+    if shutil.which("cc") is None or not Path(sysconfig.get_paths()["include"], "Python.h").exists():
+        pytest.skip("no C compiler or Python headers: L3 takes the NumPy path")
+    assert PageTable(1).all_held is not None
+
+
+def test_all_held_answers_as_verify_and_the_tag_records_do():
+    """L3's C fast path against the NumPy checks, over random tables with one field spoiled at a time: the page
+    table's owner halves, epoch or state, a tag record's owner halves, epoch or page, or a page out of range."""
+    if PageTable(1).all_held is None:
+        pytest.skip("tag_check.c is not built here")
+    layout = KVLayout(num_pages=24, page_size=4, num_layers=1, num_kv_heads=1, head_dim=4, dtype_bytes=2)
+    rng = np.random.default_rng(7)
+    spoils = ["table_hi", "table_lo", "table_epoch", "table_state", "tag_hi", "tag_lo", "tag_epoch", "tag_page",
+              "range", None]
+    for trial in range(300):
+        table = PageTable(layout.num_pages)
+        region = RegionView(layout, memoryview(bytearray(layout.nbytes)))
+        owners = [int(rng.integers(1, 2**62)) << 64 | int(rng.integers(1, 2**62)) for _ in range(3)]
+        seqs = []
+        for owner in owners:
+            grants = table.grant(owner, int(rng.integers(1, 7)))
+            seq = tags(table, owner, grants)
+            region.stamp(*seq)
+            seqs.append(seq)
+        spoil = spoils[trial % len(spoils)]
+        pages, hi, lo, epochs = seqs[int(rng.integers(len(seqs)))]
+        page = int(pages[int(rng.integers(len(pages)))])
+        record = region.tags[page]
+        match spoil:
+            case "table_hi":
+                table.owner_hi[page] ^= 1 << 63
+            case "table_lo":
+                table.owner_lo[page] ^= 1
+            case "table_epoch":
+                table.epoch[page] += 1
+            case "table_state":
+                table.state[page] = rng.choice([PageState.FREE, PageState.QUARANTINED])
+            case "tag_hi":
+                record["owner_hi"] ^= 1 << 62
+            case "tag_lo":
+                record["owner_lo"] ^= 2
+            case "tag_epoch":
+                record["epoch"] -= 1
+            case "tag_page":
+                record["page"] = (page + 1) % layout.num_pages
+            case "range":
+                pages[0] = layout.num_pages
+        in_range = all(((s[0] >= 0) & (s[0] < layout.num_pages)).all() for s in seqs)
+        want_table = in_range and all(table.verify(*s).all() for s in seqs)
+        want_both = want_table and all(region.tags_match(*s).all() for s in seqs)
+        assert table.all_held(seqs, None) == want_table, spoil
+        assert table.all_held(seqs, region.tags) == want_both, spoil
+        assert want_both == (spoil is None), spoil
+
+
+def test_all_held_refuses_malformed_arguments():
+    table = PageTable(4)
+    if table.all_held is None:
+        pytest.skip("tag_check.c is not built here")
+    grants = table.grant(A, 2)
+    good = tags(table, A, grants)
+    assert table.all_held([good], None)
+    with pytest.raises(TypeError):
+        table.all_held([good[:3]], None)  # not a 4-tuple
+    with pytest.raises(ValueError):
+        table.all_held([(good[0], good[1][:1], good[2], good[3])], None)  # lengths differ
+    with pytest.raises(ValueError):
+        table.all_held([good], np.zeros(3, dtype=np.uint8))  # tag records of the wrong size
+    with pytest.raises(TypeError):
+        table.all_held(None, None)

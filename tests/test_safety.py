@@ -13,7 +13,13 @@ import sys
 import numpy as np
 import openai
 import pytest
+import torch
 
+from kvfence.config import EngineConfig
+from kvfence.core import FinishReason, Request, RequestOutput, SamplingParams
+from kvfence.engine.engine import Engine
+from kvfence.model.loader import load_model
+from kvfence.safety import Safety
 from tests.pair import Pair
 from tests.server import ROOT, Server
 from tests.tiny_models import tiny_model_dir
@@ -236,3 +242,59 @@ def test_l0_off_the_undersized_node_starts_and_cannot_serve_its_context(model):
         assert served.max_model_len == 4096  # what it advertises...
         with pytest.raises(openai.BadRequestError):  # ...it cannot serve
             client.completions.create(model=served.id, prompt=[5] * 2000, max_tokens=8)
+
+
+# -- L3 before every decode step ------------------------------------------------------------------------------
+
+
+def decoding_pair_of_requests(model: str, safety: Safety, numpy_path: bool):
+    """A decode-side engine (tag records checked) with two requests decoding, A and B, and A's clean output."""
+    loaded = load_model(model, dtype=torch.bfloat16)
+    config = EngineConfig(max_context=64, kv_pool_tokens=8 * PAGE, page_size=PAGE, max_batch=4, chunk_size=64)
+    engine = Engine(loaded.model, loaded.tokenizer, config, torch.bfloat16, safety=safety, remote_writes=True)
+    if numpy_path:
+        engine.pages.all_held = None
+    for rid, prompt in ((1, VICTIM), (2, SHORT)):
+        engine.add(Request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), "t", rid=rid))
+    while any(not s.req.output_ids for s in engine.seqs.values()):
+        engine.step()
+    return engine
+
+
+def run_out(engine) -> dict[int, tuple[list[int], RequestOutput]]:
+    """Step until every request ended: per request, all its tokens from here on and its last output."""
+    tokens: dict[int, list[int]] = {rid: [] for rid in engine.seqs}
+    last = {}
+    while engine.seqs:
+        for out in engine.step():
+            tokens[out.rid] += out.token_ids
+            last[out.rid] = out
+    return {rid: (tokens[rid], last[rid]) for rid in last}
+
+
+def overwrite_with_b(engine) -> None:
+    """What a late write from an earlier grant does: B's KV and B's tag record land in A's first page."""
+    region, a, b = engine.region, engine.seqs[1].grants[0], engine.seqs[2].grants[0]
+    region.pages[a.page] = region.pages[b.page]
+    region.write_tag(a.page, 2, b.epoch, a.page, PAGE, 0)
+
+
+@pytest.mark.parametrize("path", ["c", "numpy"])
+def test_l3_a_page_overwritten_under_a_decoding_request_fails_it_alone(model, path):
+    clean = run_out(decoding_pair_of_requests(model, Safety(), path == "numpy"))
+    engine = decoding_pair_of_requests(model, Safety(), path == "numpy")
+    assert (engine.pages.all_held is None) == (path == "numpy")
+    overwrite_with_b(engine)
+    outs = run_out(engine)
+    assert outs[1][1].finish_reason == FinishReason.ERROR and outs[1][1].error.layer == "tags"
+    assert outs[2][1].finish_reason == FinishReason.LENGTH and outs[2][0] == clean[2][0]
+    engine.pages.check_integrity()
+
+
+def test_l3_off_a_page_overwritten_under_a_decoding_request_changes_its_output(model):
+    clean = run_out(decoding_pair_of_requests(model, Safety(tags=False), False))
+    engine = decoding_pair_of_requests(model, Safety(tags=False), False)
+    overwrite_with_b(engine)
+    outs = run_out(engine)
+    assert outs[1][1].finish_reason == FinishReason.LENGTH
+    assert outs[1][0] != clean[1][0]  # decoded from B's KV: what L3 stops

@@ -12,13 +12,21 @@ Contracts:
   was granted with; anything else raises ``PageError``. A double free raises.
 - A quarantined page is never granted again until ``release_quarantine``.
 - ``check_integrity`` holds whenever no call is in progress.
+
+``all_held`` is L3's fast path: one call into ``tag_check.c`` per decode step where it builds (else None, and
+callers use ``verify``, which also says which pages fail).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -50,6 +58,16 @@ class OutOfPages(RuntimeError):
     """Not enough free pages for a grant; callers check ``can_grant`` first."""
 
 
+@functools.cache
+def _tag_check() -> ModuleType | None:
+    """``tag_check.c`` built as a Python module, or None where it cannot be built or ``KVFENCE_TAG_CHECK_C=0``."""
+    if os.environ.get("KVFENCE_TAG_CHECK_C", "1") == "0":
+        return None
+    from kvfence.cbuild import load_extension
+
+    return load_extension(Path(__file__).with_name("tag_check.c"), "_kvf_tag_check")
+
+
 def _split(owner: int) -> tuple[int, int]:
     return owner >> 64, owner & _MASK64
 
@@ -64,6 +82,12 @@ class PageTable:
         self.state = np.full(num_pages, PageState.FREE, dtype=np.uint8)
         self.quarantine_reason: dict[int, str] = {}
         self._free: deque[int] = deque(range(num_pages))
+        check = _tag_check()
+        # all_held(seq_tags, tag_records) -> bool: seq_tags as ``verify``'s arguments, one 4-tuple per sequence;
+        # tag_records the pool's (or None). True iff every page passes ``verify`` and, given them, its tag record
+        # names the owner, epoch and page. The columns above are never reallocated, so the call can bind them.
+        self.all_held: Callable[[list, object], bool] | None = None if check is None else functools.partial(
+            check.all_held, self.owner_hi, self.owner_lo, self.epoch, self.state, PageState.GRANTED, PageState.READY)
 
     # -- queries -----------------------------------------------------------
 

@@ -20,12 +20,10 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import functools
-import importlib.util
 import logging
 import mmap
 import os
 import struct
-import sysconfig
 import time
 import uuid
 from collections.abc import Sequence
@@ -33,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
-from kvfence.cbuild import build
+from kvfence.cbuild import load_extension
 from kvfence.transfer.base import (
     DEFAULT_TIMEOUT,
     KVInitiator,
@@ -175,18 +173,7 @@ def _c_copy() -> ModuleType | None:
     cannot be built here or ``KVFENCE_SHM_C=0``: then the writes take the Python path, the same bytes slower."""
     if os.environ.get("KVFENCE_SHM_C", "1") == "0":
         return None
-    include = sysconfig.get_paths()["include"]
-    if not Path(include, "Python.h").exists():
-        log.info("shm: no Python headers at %s (python3-dev), so writes take the Python path", include)
-        return None
-    path = build(Path(__file__).with_name("shm_copy.c"), ["-O2", "-shared", "-fPIC", f"-I{include}"],
-                 suffix=sysconfig.get_config_var("EXT_SUFFIX") or ".so")
-    if path is None:
-        return None
-    spec = importlib.util.spec_from_file_location("_kvf_shm_copy", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_extension(Path(__file__).with_name("shm_copy.c"), "_kvf_shm_copy")
 
 
 class Initiator(KVInitiator):
