@@ -18,6 +18,7 @@ import torch
 from kvfence.config import EngineConfig
 from kvfence.core import FinishReason, Request, RequestOutput, SamplingParams
 from kvfence.engine.engine import Engine
+from kvfence.kvcache import pages
 from kvfence.model.loader import load_model
 from kvfence.safety import Safety
 from tests.pair import Pair
@@ -247,13 +248,11 @@ def test_l0_off_the_undersized_node_starts_and_cannot_serve_its_context(model):
 # -- L3 before every decode step ------------------------------------------------------------------------------
 
 
-def decoding_pair_of_requests(model: str, safety: Safety, numpy_path: bool):
-    """A decode-side engine (tag records checked) with two requests decoding, A and B, and A's clean output."""
+def decoding_pair_of_requests(model: str, safety: Safety):
+    """A decode-side engine (tag records checked) with two requests decoding, A and B."""
     loaded = load_model(model, dtype=torch.bfloat16)
     config = EngineConfig(max_context=64, kv_pool_tokens=8 * PAGE, page_size=PAGE, max_batch=4, chunk_size=64)
     engine = Engine(loaded.model, loaded.tokenizer, config, torch.bfloat16, safety=safety, remote_writes=True)
-    if numpy_path:
-        engine.pages.all_held = None
     for rid, prompt in ((1, VICTIM), (2, SHORT)):
         engine.add(Request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), "t", rid=rid))
     while any(not s.req.output_ids for s in engine.seqs.values()):
@@ -280,10 +279,12 @@ def overwrite_with_b(engine) -> None:
 
 
 @pytest.mark.parametrize("path", ["c", "numpy"])
-def test_l3_a_page_overwritten_under_a_decoding_request_fails_it_alone(model, path):
-    clean = run_out(decoding_pair_of_requests(model, Safety(), path == "numpy"))
-    engine = decoding_pair_of_requests(model, Safety(), path == "numpy")
-    assert (engine.pages.all_held is None) == (path == "numpy")
+def test_l3_a_page_overwritten_under_a_decoding_request_fails_it_alone(model, path, monkeypatch):
+    if path == "numpy":
+        monkeypatch.setattr(pages, "_tag_check", lambda: None)
+    clean = run_out(decoding_pair_of_requests(model, Safety()))
+    engine = decoding_pair_of_requests(model, Safety())
+    assert engine.pages.all_held([s.tags for s in engine.seqs.values()], engine.region.tags) == (path == "c")
     overwrite_with_b(engine)
     outs = run_out(engine)
     assert outs[1][1].finish_reason == FinishReason.ERROR and outs[1][1].error.layer == "tags"
@@ -292,8 +293,8 @@ def test_l3_a_page_overwritten_under_a_decoding_request_fails_it_alone(model, pa
 
 
 def test_l3_off_a_page_overwritten_under_a_decoding_request_changes_its_output(model):
-    clean = run_out(decoding_pair_of_requests(model, Safety(tags=False), False))
-    engine = decoding_pair_of_requests(model, Safety(tags=False), False)
+    clean = run_out(decoding_pair_of_requests(model, Safety(tags=False)))
+    engine = decoding_pair_of_requests(model, Safety(tags=False))
     overwrite_with_b(engine)
     outs = run_out(engine)
     assert outs[1][1].finish_reason == FinishReason.LENGTH

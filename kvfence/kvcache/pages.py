@@ -13,8 +13,8 @@ Contracts:
 - A quarantined page is never granted again until ``release_quarantine``.
 - ``check_integrity`` holds whenever no call is in progress.
 
-``all_held`` is L3's fast path: one call into ``tag_check.c`` per decode step where it builds (else None, and
-callers use ``verify``, which also says which pages fail).
+``all_held`` is L3's fast path: one call into ``tag_check.c`` per decode step; where it says no (or is not
+built), callers check with ``verify``, which also says which pages fail.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import os
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -82,12 +81,6 @@ class PageTable:
         self.state = np.full(num_pages, PageState.FREE, dtype=np.uint8)
         self.quarantine_reason: dict[int, str] = {}
         self._free: deque[int] = deque(range(num_pages))
-        check = _tag_check()
-        # all_held(seq_tags, tag_records) -> bool: seq_tags as ``verify``'s arguments, one 4-tuple per sequence;
-        # tag_records the pool's (or None). True iff every page passes ``verify`` and, given them, its tag record
-        # names the owner, epoch and page. The columns above are never reallocated, so the call can bind them.
-        self.all_held: Callable[[list, object], bool] | None = None if check is None else functools.partial(
-            check.all_held, self.owner_hi, self.owner_lo, self.epoch, self.state, PageState.GRANTED, PageState.READY)
 
     # -- queries -----------------------------------------------------------
 
@@ -171,6 +164,14 @@ class PageTable:
         self._free.append(page)
 
     # -- verification --------------------------------------------------------
+
+    def all_held(self, seq_tags: list[tuple[np.ndarray, ...]], tag_records: np.ndarray | None) -> bool:
+        """True only if every page of ``seq_tags`` (``verify``'s arguments, one 4-tuple per sequence) passes
+        ``verify`` and, given the pool's ``tag_records``, its record names that owner, epoch and page; checked in
+        one C call. False when some page fails or ``tag_check.c`` is not built: check with ``verify`` then."""
+        check = _tag_check()
+        return check is not None and check.all_held(self.owner_hi, self.owner_lo, self.epoch, self.state,
+                                                     PageState.GRANTED, PageState.READY, seq_tags, tag_records)
 
     def verify(self, pages: np.ndarray, owner_hi: np.ndarray, owner_lo: np.ndarray, epochs: np.ndarray) -> np.ndarray:
         """Vectorised tag check: a bool per page, True where owner and epoch match and the page is held."""
