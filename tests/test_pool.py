@@ -45,6 +45,10 @@ def test_landing_check_catches_each_kind_of_fault():
     assert "tag" in check_landing(view, RID + 1, grants, 3, transfer_checksum(sums), **good)
     assert "tag" in check_landing(view, RID, [(2, 4), (0, 6)], 3, transfer_checksum(sums), **good)
     assert "expected" in check_landing(view, RID, grants, 4, transfer_checksum(sums), **good)
+    assert "transfer checksum" in check_landing(view, RID, grants, 3, transfer_checksum(sums) ^ 1, **good)
+    view.write_tag(0, RID, 6, 3, 1, sums[1])  # the second page's record names another destination page
+    assert check_landing(view, RID, grants, 3, transfer_checksum(sums), **good).startswith("tags: page 0")
+    view.write_tag(0, RID, 6, 0, 1, sums[1])
     view.pages[0, 0] ^= 0xFF  # a flipped byte inside the written tokens
     assert "checksum" in check_landing(view, RID, grants, 3, transfer_checksum(sums), **good)
     off = dict(tags=False, coverage=False, checksum=False)
