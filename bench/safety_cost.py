@@ -9,7 +9,8 @@ caller's), and every figure is that thread's CPU time, so time spent descheduled
 - **whole decode steps** with every layer on against ``KVFENCE_UNSAFE=all``, two engines stepping in
   alternating blocks (what the L3 check adds to a step, all effects included);
 - **per transfer** (L3 tags, L4 coverage, L5 checksums): prefill's per-page xxh3 and tag record, and decode's
-  ``check_landing``, over the prefill compute of the same prompt, at 128, 512 and 2,048 tokens.
+  ``check_landing``, over the prefill compute of the same prompt, at 128, 512 and 2,048 tokens (medians of 7, 5
+  and 3 fresh engines: each transfer is checked once, cold, as in serving).
 
 L0, L1 and L2 are a few comparisons per request; L6 and L7 only change when pages are freed and cancels sent.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -129,6 +131,11 @@ def transfer_cost(loaded, tokens: int) -> dict:
             "check_landing_ms": land_s * 1e3, "share": (send_s + land_s) / prefill_s}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Per field, the median over ``runs`` (each a fresh engine and prefill: one cold transfer is one sample)."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {"repeats": len(runs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="bench/results/safety_cost.json")
@@ -146,9 +153,10 @@ def main() -> None:
         print(f"  decode steps at batch {batch}, layers on and off in alternation...", file=sys.stderr, flush=True)
         ab.append(decode_ab(loaded, batch, rounds=args.rounds))
     transfers = []
-    for tokens in (128, 512, 2048):
-        print(f"  a {tokens}-token transfer...", file=sys.stderr, flush=True)
-        transfers.append(transfer_cost(loaded, tokens))
+    for tokens, repeats in ((128, 7), (512, 5), (2048, 3)):
+        print(f"  a {tokens}-token transfer, {repeats} times...", file=sys.stderr, flush=True)
+        runs = [transfer_cost(loaded, tokens) for _ in range(repeats)]
+        transfers.append(median_run(runs))
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch_threads": torch.get_num_threads(),
               "decode_steps": steps, "decode_ab": ab, "transfers": transfers}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
