@@ -2,8 +2,9 @@
 
 Every case runs the real workers (tests/pair.py: real engines, pools, page tags and shm data plane) with layers
 switched off only through ``KVFENCE_UNSAFE``, except L3's check before every decode step, which runs on a
-decode-side engine directly (its switch then comes as ``Safety``). Where other layers would also stop a fault (defence in depth),
-they are switched off too, so the layer under test is the only one left; each test's docstring says which.
+decode-side engine directly (its switch then comes as ``Safety``). Where other layers would also stop a fault
+(defence in depth), they are switched off too, so the layer under test is the only one left; each test's
+docstring says which.
 L0 (preflight) is proved through the CLI, in tests/test_incident.py and here.
 """
 
