@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -71,6 +72,13 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                    help="append one JSON line per generation request to FILE (tenant, status, safety layer, pages)")
 
 
+def add_stop_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGINT or SIGTERM, stop accepting connections and let requests in flight finish for up "
+                        "to S seconds (a second Ctrl-C stops at once); then every process exits and the KV segments "
+                        "are removed")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfence", description="Multi-tenant OpenAI-compatible LLM serving with "
                                      "disaggregated prefill/decode and KV isolation.")
@@ -91,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve)
     add_pool_args(serve, per_role=True)
     add_timeout_args(serve)
+    add_stop_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     router = sub.add_parser("router", formatter_class=fmt, help="run the router alone (multi-host)",
@@ -100,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_http_args(router)
     add_model_args(router)
     add_timeout_args(router)
+    add_stop_args(router)
     router.set_defaults(func=cmd_router)
 
     for role in ("prefill", "decode"):
@@ -295,6 +305,7 @@ def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
     import uvicorn
 
     from kvfence.router.app import create_app
+    from kvfence.router.lifecycle import DrainingServer
     from kvfence.router.tenants import Tenants
     from kvfence.safety import Safety
     from kvfence.tools.auditlog import AuditLog
@@ -310,7 +321,8 @@ def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
               '  [tenants.alice]\n  api_keys = ["sk-alice-..."]\nto tenants.toml and pass --tenants tenants.toml',
               file=sys.stderr)
     app = create_app(engine, tokenizer, tenants, AuditLog(args.audit_log) if args.audit_log else None)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.drain_timeout))
 
     async def main() -> None:
         tasks = []
@@ -328,6 +340,9 @@ def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
                 t.cancel()
 
     asyncio.run(main())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller's cleanup (stopping workers) is bounded: let it run
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    log.info("stopped serving; stopping the engine")
     return 0
 
 

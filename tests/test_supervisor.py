@@ -1,16 +1,19 @@
 """Supervised workers never outlive their supervisor, even one that dies while they are still starting, and are not
-restarted while the server stops."""
+restarted while the server stops. A stop drains what is in flight, then leaves no process and no KV segment."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from kvfence.workers.supervisor import _die_with_parent
 from tests.server import Server
@@ -53,34 +56,138 @@ def test_a_worker_whose_supervisor_died_while_it_started_exits(tmp_path):
             os.kill(worker, 9)
 
 
-def test_stopping_the_whole_process_group_restarts_no_worker():
-    """Ctrl-C in a terminal or SIGTERM to the process group reaches the workers as well as the server: they die
-    at once while the server shuts down. The supervisor must not start them again, and still report them, so a
-    stream open at that moment fails at once and the server exits within seconds."""
-    server = Server("--model", str(tiny_model_dir("llama")), "--max-context", "4096")
-    ended: dict[str, object] = {}
-
-    def stream() -> None:
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
         try:
-            chunks = server.client(timeout=60).completions.create(
-                model="llama", prompt="story", max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
-            ended["outcome"] = f"finished after {sum(1 for _ in chunks)} chunks"
-        except openai.APIError as e:
-            ended["outcome"] = e
-        ended["at"] = time.monotonic()
+            children = [int(c) for c in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+        except FileNotFoundError:
+            continue
+        found += children
+        todo += children
+    return found
 
+
+def _segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("kvfence-kv-*")}
+
+
+def _wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class Stream(threading.Thread):
+    """One streamed completion of ``max_tokens`` tokens: ``tokens`` the usage it reported, ``error`` how it ended."""
+
+    def __init__(self, server: Server, max_tokens: int) -> None:
+        super().__init__()
+        self.server, self.max_tokens = server, max_tokens
+        self.tokens, self.finish, self.error = 0, None, None
+        self.first = threading.Event()
+
+    def run(self) -> None:
+        try:
+            chunks = self.server.client(timeout=60).completions.create(
+                model="llama", prompt="story", max_tokens=self.max_tokens, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            for chunk in chunks:
+                self.first.set()
+                if chunk.usage is not None:
+                    self.tokens = chunk.usage.completion_tokens
+                if chunk.choices:
+                    self.finish = chunk.choices[0].finish_reason or self.finish
+        except (openai.APIError, openai.APIConnectionError) as e:
+            self.error = e
+        self.first.set()
+        self.ended_at = time.monotonic()
+
+
+def _serve(*args: str) -> tuple[Server, list[int], set[str]]:
+    """A disaggregated deployment of the tiny model, its worker pids, and the KV segments it created."""
+    before = _segments()
+    server = Server("--model", str(tiny_model_dir("llama")), "--max-context", "4096", *args)
+    workers = _descendants(server.proc.pid)
+    created = _segments() - before
+    assert workers and created, "expected worker processes and a decode KV segment"
+    return server, workers, created
+
+
+def _gone(server: Server, workers: list[int], created: set[str], timeout: float) -> bool:
+    return _wait_for(lambda: server.proc.poll() is not None and not [w for w in workers if _running(w)]
+                     and not created & _segments(), timeout)
+
+
+def test_sigterm_to_the_whole_group_drains_the_streams_in_flight_then_stops_everything():
+    """A service manager's SIGTERM reaches the server and its workers alike. The stream in flight still finishes;
+    new connections are refused at once; then every process exits and the decode KV segment is unlinked, within
+    10 s of the drain's end, and no worker was restarted."""
+    server, workers, created = _serve("--drain-timeout", "60")
     try:
-        workers = list(server.health()["workers"].values())
-        reader = threading.Thread(target=stream)
-        reader.start()
-        time.sleep(1)
-        killed_at = time.monotonic()
+        stream = Stream(server, max_tokens=300)
+        stream.start()
+        assert stream.first.wait(30)
         os.killpg(server.proc.pid, signal.SIGTERM)
-        server.proc.wait(30)
-        reader.join(30)
-        assert time.monotonic() - killed_at < 5, "the server took too long to stop"
-        assert isinstance(ended["outcome"], openai.APIError) and ended["at"] - killed_at < 5, ended
+        time.sleep(0.5)
+        with pytest.raises(openai.APIConnectionError):
+            server.client(timeout=5).models.list()
+        stream.join(60)
+        assert stream.error is None and stream.finish == "length" and stream.tokens == 300, stream.error
+        assert _gone(server, workers, created, timeout=10), server.output()
+        assert server.proc.returncode == 0
         assert "restarting it" not in server.output()
-        assert not [w["pid"] for w in workers if _running(w["pid"])]
     finally:
         server.stop()
+
+
+def test_a_drain_that_times_out_ends_the_stream_and_still_cleans_up():
+    """Ctrl-C (SIGINT to the group) with a stream that would outlast ``--drain-timeout``: the stream is cut when the
+    drain ends, and every process and segment is gone within 10 s after."""
+    server, workers, created = _serve("--drain-timeout", "1")
+    try:
+        stream = Stream(server, max_tokens=3000)
+        stream.start()
+        assert stream.first.wait(30)
+        signalled = time.monotonic()
+        os.killpg(server.proc.pid, signal.SIGINT)
+        stream.join(30)
+        assert stream.finish != "length" and stream.ended_at - signalled < 6, (stream.tokens, stream.error)
+        assert _gone(server, workers, created, timeout=11), server.output()
+        assert "restarting it" not in server.output()
+    finally:
+        server.stop()
+
+
+def test_workers_of_a_killed_server_stop_and_unlink_their_segments():
+    """SIGKILL leaves the server no say: its workers learn of its death from the kernel and close on their own."""
+    server, workers, created = _serve()
+    try:
+        server.proc.kill()
+        assert _gone(server, workers, created, timeout=10), server.output()
+    finally:
+        server.stop()
+
+
+def test_a_standalone_worker_stops_cleanly_on_sigterm(tmp_path):
+    """``kvfence decode`` on its own (multi-host use) exits 0 on SIGTERM and unlinks its shm segment."""
+    before = _segments()
+    log = open(tmp_path / "decode.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "decode", "--model", str(tiny_model_dir("llama")),
+                             "--max-context", "1024", "--router", "tcp://127.0.0.1:9", "--bind", "tcp://127.0.0.1:0",
+                             "--transfer", "shm"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert _wait_for(lambda: _segments() - before or proc.poll() is not None, 60)
+        created = _segments() - before
+        assert created, (tmp_path / "decode.log").read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert not created & _segments()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()

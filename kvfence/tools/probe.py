@@ -27,10 +27,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from functools import partial
-
-import httpx
+from typing import TYPE_CHECKING
 
 from kvfence.tools.audit import UsageError, server_nodes
+
+if TYPE_CHECKING:  # imported where used: 'kvfence serve' needs no HTTP client
+    import httpx
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 # Code words: unlikely in the attacker's sea story or the normal prompts' answers (no colours, no sea life), and
@@ -502,6 +504,7 @@ class Prober:
     async def chat(self, tenant: Tenant, phase: str, role: str, label: str, prompt: str, max_tokens: int,
                    **extra) -> Exchange | None:
         """Send one greedy chat and record it; ``None`` (nothing sent) once the budget is spent."""
+        import httpx
         if not self.budget_left():
             return None
         ex = Exchange(len(self.exchanges) + 1, phase, tenant.label, role, label, prompt, max_tokens, **extra)
@@ -549,6 +552,7 @@ class Prober:
     async def get_json(self, path: str) -> dict | None:
         """GET ``path`` as the first tenant: its JSON object, or ``None``. Raises ``UsageError`` when nothing
         answers or the key is refused."""
+        import httpx
         try:
             resp = await self.client.get(path, headers={"Authorization": f"Bearer {self.s.tenants[0].key}"},
                                          timeout=self.s.timeout)
@@ -766,6 +770,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 async def probe(settings: Settings) -> Report:
+    import httpx
     async with httpx.AsyncClient(base_url=settings.url) as client:
         return await Prober(settings, client, sys.stderr).run()
 

@@ -43,11 +43,13 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from kvfence.tools.auditlog import read_records
 from kvfence.tools.probe import NORMAL_PROMPTS, Canary, new_canary, specific_fragments
+
+if TYPE_CHECKING:  # imported where used: 'kvfence serve' needs no HTTP client
+    import httpx
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 DEFAULT_FAULTS = "drop=0.002,dup=0.005,delay=0.01,delay_s=0.5,flip=0.02"
@@ -176,6 +178,7 @@ def make_jobs(s: SoakSettings, tenants: list[str], prompts: list[Prompt], over: 
 
 async def run_job(client: httpx.AsyncClient, job: Job, key: str, model: str, timeout: float,
                   rng: random.Random) -> Outcome:
+    import httpx
     out = Outcome(job.i, job.tenant, job.prompt.key, "answered")
     path, body = job.prompt.body(model, job.max_tokens, job.stream)
     call = _call(client, path, body, key, job, out)
@@ -257,6 +260,7 @@ class LocalServer:
 
     def wait_ready(self, timeout: float) -> None:
         """Wait for /health to say ok; stop the server and raise if it exits or takes longer."""
+        import httpx
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -272,10 +276,12 @@ class LocalServer:
 
     def model_id(self, key: str) -> str:
         """The first model ``key`` may use."""
+        import httpx
         models = httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
         return models.json()["data"][0]["id"]
 
     def health(self) -> dict:
+        import httpx
         return httpx.get(self.url + "/health", timeout=10).json()
 
     def output(self) -> str:
@@ -343,6 +349,7 @@ class Soak:
             "codes" + ("" if repeated else " (leak checks then rest on coherence alone)"))
 
     async def _reference(self, url: str) -> dict[str, str]:
+        import httpx
         async with httpx.AsyncClient(base_url=url, timeout=self.s.timeout) as client:
             answers = {}
             for p in self.prompts:
@@ -378,6 +385,7 @@ class Soak:
         self.check_audit(audit, outcomes, answered)
 
     async def _traffic(self, server: LocalServer, jobs: list[Job]) -> list[Outcome]:
+        import httpx
         s = self.s
         limits = httpx.Limits(max_connections=s.concurrency * 2)
         async with httpx.AsyncClient(base_url=server.url, timeout=s.timeout, limits=limits) as client:
@@ -522,6 +530,7 @@ class Soak:
         prompts = [p for p in self.prompts if p.tenant is None and not p.token_ids]
 
         async def ask() -> tuple[int, list[bool]]:
+            import httpx
             sent, ok = 0, []
             async with httpx.AsyncClient(base_url=server.url, timeout=self.s.timeout) as client:
                 for p in prompts:
@@ -557,6 +566,7 @@ class Soak:
 
 
 def verification_failures(server: LocalServer) -> dict[str, float]:
+    import httpx
     text = httpx.get(server.url + "/metrics", timeout=10).text
     found = re.findall(r'^kvfence_kv_verification_failures_total\{layer="(\w+)"\} ([\d.e+]+)$', text, re.M)
     return {layer: float(n) for layer, n in found}

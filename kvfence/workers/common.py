@@ -52,6 +52,16 @@ class WorkerBase:
         freeze_loaded_objects()
         self.channel = Channel(settings.bind, settings.advertise, self.faults)
         self.me = self.channel.me
+        self.stop_requested = False
+
+    def request_stop(self, *_: object) -> None:
+        """Leave the loop after the current step (a signal handler): ``run_forever`` returns, then ``close``."""
+        self.stop_requested = True
+
+    def close(self) -> None:
+        """Let go of what outlives the process unless released: the channel, and each role's data plane (decode's
+        shm segment stays in the tmpfs until unlinked)."""
+        self.channel.close()
 
     # -- setup helpers --------------------------------------------------------------
 
@@ -132,7 +142,7 @@ class WorkerBase:
         next_tick = 0.0
         idle_since: float | None = None  # when the worker last ran out of work; None while it works
         tidied = False
-        while True:
+        while not self.stop_requested:
             now = clock()
             busy = self.has_work()
             for env in self.channel.receive(0 if busy else int(TICK_S * 1000)):
@@ -150,6 +160,7 @@ class WorkerBase:
                 self._do(self.tick(now), now)
                 next_tick = now + TICK_S
             self._latest_hello = self.hello()
+        log.info("%s worker %s stopping", self.role, self.me)
 
     def _heartbeat(self) -> None:
         """Say Hello to the router every HEARTBEAT_S from a thread of its own, so a long step never looks like death.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.engine.engine import Engine
@@ -46,6 +45,10 @@ class DecodeWorker(WorkerBase):
     @property
     def engine(self) -> Engine:
         return self._engine
+
+    def close(self) -> None:
+        super().close()
+        self.target.close()
 
     def check_integrity(self) -> None:
         self._engine.check_integrity([g.page for r in self.core.reqs.values() for g in r.grants])
@@ -115,6 +118,3 @@ class DecodeWorker(WorkerBase):
         return Output(out.rid, out.token_ids, out.text, finish, out.prompt_tokens, out.completion_tokens,
                       out.pages, verification)
 
-
-def main(settings: WorkerSettings) -> None:
-    DecodeWorker(settings).run_forever(time.monotonic)

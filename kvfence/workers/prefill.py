@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
@@ -176,6 +175,10 @@ class PrefillWorker(WorkerBase):
     def engine(self) -> Engine:
         return self.runner
 
+    def close(self) -> None:
+        super().close()
+        self.initiator.close()
+
     def hello(self) -> Hello:
         sched = self.runner.scheduler
         queued = sum(s.req.prompt_len - s.num_computed for s in (*sched.waiting, *sched.running))
@@ -259,6 +262,3 @@ def dest_layout(local: KVLayout, descriptor: dict) -> KVLayout:
                                  "prefill and decode must serve the same model, dtype and page size")
     return dest
 
-
-def main(settings: WorkerSettings) -> None:
-    PrefillWorker(settings).run_forever(time.monotonic)

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 
 from kvfence.workers.settings import WorkerSettings
@@ -23,29 +24,66 @@ def free_tcp_address(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
+STOP_SIGNAL = signal.SIGUSR1  # a supervised worker's only stop: it finishes its step, closes and exits
+
+
 def run_worker(settings: WorkerSettings, supervised: bool = True) -> None:
-    """Entry point of a worker process. Supervised workers leave Ctrl-C to their parent and die with it."""
-    if supervised:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _die_with_parent()
+    """Entry point of a worker process. It stops cleanly (channel closed, data plane released: decode's shm segment
+    unlinked) on ``STOP_SIGNAL`` when supervised, on SIGINT or SIGTERM when not.
+
+    A supervised worker ignores SIGINT and SIGTERM: Ctrl-C in a terminal, or a service manager's SIGTERM to the
+    whole group, reaches it too, and it must keep serving while the server drains. Its supervisor stops it once
+    the drain ends, and its death sends it ``STOP_SIGNAL`` as well.
+    """
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {settings.role}[%(process)d] %(name)s: %(message)s")
+    stops = [STOP_SIGNAL] if supervised else [signal.SIGINT, signal.SIGTERM]
+    if supervised:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+    stop = _StopLatch(stops)
+    if supervised:
+        _die_with_parent()
     if settings.role == "prefill":
-        from kvfence.workers.prefill import main
+        from kvfence.workers.prefill import PrefillWorker as Worker
     else:
-        from kvfence.workers.decode import main
+        from kvfence.workers.decode import DecodeWorker as Worker
+    if stop.requested:  # asked to stop while the model loaded
+        return
+    worker = Worker(settings)
     try:
-        main(settings)
-    except KeyboardInterrupt:
-        pass
+        stop.forward_to(worker.request_stop)
+        worker.run_forever(time.monotonic)
+    finally:
+        worker.close()
+
+
+class _StopLatch:
+    """Catches the stop signals from the start, before the worker exists to hear them, and passes them on."""
+
+    def __init__(self, signals: list[int]) -> None:
+        self.requested = False
+        self._target: Callable[[], None] | None = None
+        for sig in signals:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, *_: object) -> None:
+        self.requested = True
+        if self._target is not None:
+            self._target()
+
+    def forward_to(self, target: Callable[[], None]) -> None:
+        self._target = target
+        if self.requested:
+            target()
 
 
 def _die_with_parent() -> None:
-    """SIGTERM this process when its parent dies, and exit now if the parent already has: a worker spawned
-    just before its supervisor died (say a restart racing a SIGTERM) only gets here after its interpreter
+    """Send this process ``STOP_SIGNAL`` when its parent dies, and exit now if the parent already has: a worker
+    spawned just before its supervisor died (say a restart racing a SIGKILL) only gets here after its interpreter
     started, and the kernel signals deaths that come after the request only."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, STOP_SIGNAL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
     parent = mp.parent_process()
@@ -87,15 +125,24 @@ class Supervisor:
                 del self.procs[worker]
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop every worker: ``STOP_SIGNAL``, up to ``timeout`` seconds to close, then SIGKILL. Then unlink any shm
+        segment a killed decode worker left behind (a live deployment's segments are locked and stay)."""
         for proc in self.procs.values():
             if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs.values():
-            proc.join(timeout)
+                os.kill(proc.pid, STOP_SIGNAL)
+        deadline = time.monotonic() + timeout
+        for worker, proc in self.procs.items():
+            proc.join(max(deadline - time.monotonic(), 0))
             if proc.is_alive():
+                log.warning("%s worker %s did not stop in %.0fs; killing it", self.settings[worker].role, worker,
+                            timeout)
                 proc.kill()
                 proc.join(1)
         self.procs.clear()
+        if any(s.transfer == "shm" for s in self.settings.values()):
+            from kvfence.transfer.shm import DEFAULT_DIR, sweep_stale
+
+            sweep_stale(DEFAULT_DIR)
 
     def pids(self) -> dict[str, int | None]:
         return {w: p.pid for w, p in self.procs.items()}
