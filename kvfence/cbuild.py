@@ -1,6 +1,11 @@
 """Build a C source into a shared object once per machine, user and content; the model kernels, the shm copy and
-the L3 tag check use it. Nothing here raises: without a compiler, or when the build fails, callers get None and
-keep their Python path."""
+the L3 tag check use it. Nothing here raises: without a compiler, when the build fails, or when the cache is not
+private, callers get None and keep their Python path.
+
+The cache is private: ``$KVFENCE_CACHE_DIR/kernels``, else ``$XDG_CACHE_HOME/kvfence/kernels``, else
+``~/.cache/kvfence/kernels``, made mode 0700. A cache directory that is a symlink, is owned by another user, or
+that others may write into is refused, never used: whoever can write there could plant a library this process
+would load."""
 
 from __future__ import annotations
 
@@ -9,9 +14,9 @@ import importlib.util
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sysconfig
-import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -27,9 +32,11 @@ def build(source: Path, flags: list[str], deps: list[Path] | None = None, suffix
         return None
     text = b"".join(p.read_bytes() for p in [source, *(deps or [])])
     key = hashlib.sha256(text + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-    out = Path(tempfile.gettempdir()) / f"kvfence-kernels-{os.getuid()}" / f"{source.stem}-{key}{suffix}"
+    cache = private_cache()
+    if cache is None:
+        return None
+    out = cache / f"{source.stem}-{key}{suffix}"
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         try:
             subprocess.run([cc, *flags, str(source), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
@@ -40,6 +47,55 @@ def build(source: Path, flags: list[str], deps: list[Path] | None = None, suffix
             return None
         os.replace(tmp, out)  # atomic: concurrent builders each publish a complete file
     return out
+
+
+def cache_dir() -> Path:
+    """Where built objects are kept (see the module docstring)."""
+    root = os.environ.get("KVFENCE_CACHE_DIR")
+    if root:
+        return Path(root) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "kvfence" / "kernels"
+
+
+def private_cache() -> Path | None:
+    """``cache_dir()``, made if missing; None (logged) if it is not a directory of this user's that only they can
+    write to."""
+    path = cache_dir()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.lstat()
+    except OSError as e:
+        log.warning("cannot make the kernel cache %s (%s): slower Python paths", path, e)
+        return None
+    problem = _not_private(st) or _unsafe_parent(path.parent.stat())
+    if problem:
+        log.error("refusing the kernel cache %s: %s. Remove it, or set KVFENCE_CACHE_DIR to a directory of your "
+                  "own (mode 0700); until then the C kernels are not loaded (slower Python paths)", path, problem)
+        return None
+    return path
+
+
+def _not_private(st: os.stat_result) -> str | None:
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not {os.getuid()}"
+    if st.st_mode & 0o022:
+        return f"others may write into it (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _unsafe_parent(st: os.stat_result) -> str | None:
+    """Whoever may write into the parent could swap the cache for their own after it was checked."""
+    if st.st_uid not in (os.getuid(), 0):
+        return f"its parent is owned by uid {st.st_uid}"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return f"others may write into its parent (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 def load_extension(source: Path, name: str) -> ModuleType | None:
