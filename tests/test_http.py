@@ -485,7 +485,7 @@ async def test_lone_surrogate_is_400():
     async with asgi_client(FakeEngine()) as c:
         body = b'{"messages": [{"role": "user", "content": "\\ud800"}]}'
         resp = await c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
-        assert_error(resp, 400, "invalid_request_error", "messages")
+        assert_error(resp, 400, "invalid_request_error", "messages.[0].content")
         body = b'{"prompt": "a\\udfffb"}'
         resp = await c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
         assert_error(resp, 400, "invalid_request_error", "prompt")
