@@ -64,10 +64,11 @@ from kvfence.core import (
 from kvfence.core import Request as EngineRequest
 from kvfence.engine.client import EngineClient
 from kvfence.router.admin import ManagedEngine, ModelAccess, admin_router, managed
-from kvfence.router.edge import EdgeGuard, EdgeLimits, error_headers, path_param
+from kvfence.router.edge import EdgeGuard, error_headers, path_param
 from kvfence.router.exposure import FailedLogins, Gate, public_body
 from kvfence.router.fair import FairPool
 from kvfence.router.ledger import Ledger, RequestEnd
+from kvfence.router.limits import EdgeLimits
 from kvfence.router.metrics import CONTENT_TYPE, Metrics
 from kvfence.router.responses import DONE, Format, error_body, sse
 from kvfence.router.schemas import ChatCompletionRequest, CompletionRequest, GenerateBody, invalid_request, parse_body

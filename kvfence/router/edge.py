@@ -33,7 +33,6 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from http import HTTPStatus
 from typing import Any
@@ -46,32 +45,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvfence.core import InvalidRequest, KvfenceError
+from kvfence.router.limits import EdgeLimits
 
-MiB = 2**20
 LINGER_S = 2.0
 BODY_GRACE_S = 1.0
 _KEPT_ESCAPES = re.compile(r"(%2[fF]|%5[cC]|%25)")
-
-
-def default_max_request_bytes(max_context: int) -> int:
-    """1 MiB plus 128 bytes per token of context: a max-context prompt fits even as ``\\uXXXX``-escaped text or as
-    a token-id list (at most 7 bytes a token), with room for many messages and unknown fields."""
-    return MiB + 128 * max_context
-
-
-@dataclass(frozen=True)
-class EdgeLimits:
-    """What one request or client may take from the HTTP server. ``max_request_bytes`` ``None``: derived from the
-    served context by ``default_max_request_bytes``."""
-
-    max_request_bytes: int | None = None
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    max_connections_per_client: int = 64
-    docs: bool = False
-
-    def request_bytes(self, max_context: int) -> int:
-        return self.max_request_bytes or default_max_request_bytes(max_context)
 
 
 class RequestTooLarge(InvalidRequest):
