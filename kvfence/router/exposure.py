@@ -29,7 +29,7 @@ from fastapi import Request
 from prometheus_client import Counter
 
 from kvfence.core import AuthenticationError, KvfenceError
-from kvfence.router.tenants import PermissionDenied, Tenants
+from kvfence.router.tenants import PermissionDenied, Tenants, bearer_key
 
 log = logging.getLogger("kvfence.auth")
 T = TypeVar("T")
@@ -96,11 +96,11 @@ class Gate:
             self._checked(http, self.tenants.authenticate_metrics)
 
     def sees_detail(self, http: Request) -> bool:
-        """Whether ``/health`` may show its detail: in open mode, or to an admin key. No key: ``False``; a key of
+        """Whether ``/health`` may show its detail: in open mode, or to an admin key. No bearer key, or one of
         another kind: ``False``; an unknown key: 401."""
         if self.tenants.is_open:
             return True
-        if not http.headers.get("authorization"):
+        if bearer_key(http.headers.get("authorization")) is None:
             return False
         kind, _ = self._checked(http, self.tenants.identify)
         return kind == "admin"

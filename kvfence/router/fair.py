@@ -98,6 +98,8 @@ class FairPool:
     def _finished(self, tenant: str, job: _Job, done: Future) -> None:
         self._idle_threads += 1
         self._running[tenant] -= 1
+        if tenant in self._waiting:  # its turn was this job: to the back of the ring
+            self._waiting[tenant] = self._waiting.pop(tenant)
         self._release(tenant, job)
         if not job.future.done():
             error = done.exception()
