@@ -652,3 +652,23 @@ def test_a_50_mb_body_gets_413_at_once_and_the_client_reads_it(chunked):
         assert took < 1, f"413 after {took:.2f}s"
         uploader.join(10)
         assert closed_by_server(sock, 5)
+
+
+@pytest.mark.parametrize("request_bytes", [b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 20_000])
+def test_unparsable_requests_and_huge_headers_get_400_in_openai_shape(request_bytes):
+    with edge_server() as url, connect(url) as sock:
+        sock.sendall(request_bytes)
+        status, headers, body = read_response(sock)
+        assert (status, json.loads(body)["error"]["code"]) == (400, "invalid_http_request")
+        assert closed_by_server(sock, 2)
+
+
+def test_raw_dot_segments_are_not_normalized_into_a_route():
+    engine = FakeEngine()
+    with edge_server(engine) as url:
+        for path in ("/v1/./chat/completions", "/v1/x/../chat/completions", "/v1//chat/completions"):
+            with connect(url) as sock:
+                body = json.dumps(chat_body()).encode()
+                sock.sendall(head(path, len(body)) + body)
+                assert read_response(sock)[0] == 404
+    assert engine.requests == []

@@ -45,6 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvfence.core import InvalidRequest, KvfenceError
+from kvfence.router.exposure import LogThrottle
 from kvfence.router.limits import EdgeLimits
 
 LINGER_S = 2.0
@@ -137,9 +138,10 @@ class EdgeProtocol(H11Protocol):
     Build it with ``edge_protocol(limits)``: its connections share one count per client address.
     """
 
-    def __init__(self, *args: Any, limits: EdgeLimits, clients: Counter[str], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: EdgeLimits, clients: Counter[str], refusals: LogThrottle,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.limits, self.clients = limits, clients
+        self.limits, self.clients, self.refusals = limits, clients, refusals
         self._deadline: asyncio.TimerHandle | None = None
         self._deadline_kind: str | None = None
         self._counted: str | None = None  # the address this connection counts against
@@ -155,7 +157,7 @@ class EdgeProtocol(H11Protocol):
             self._counted = host
             self.clients[host] += 1
             if self.clients[host] > self.limits.max_connections_per_client:
-                self._refuse(host)
+                self._refuse()
                 return
         self._arm("headers", self.limits.header_timeout)
 
@@ -229,11 +231,24 @@ class EdgeProtocol(H11Protocol):
 
     # -- refusing and closing -----------------------------------------------------------------------------
 
-    def _refuse(self, host: str) -> None:
-        self.logger.warning("refused a connection from %s: over %d connections from one address", host,
-                            self.limits.max_connections_per_client)
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (or headers over its 16 KiB): 400 in OpenAI's shape, then close."""
+        self._warn("invalid HTTP request")
+        self._answer_and_close(400, "The request is not valid HTTP/1.1, or its headers are too large.",
+                               "invalid_http_request", linger=False)
+
+    def _refuse(self) -> None:
+        self._warn(f"refused a connection: over {self.limits.max_connections_per_client} from one address")
         self._answer_and_close(429, f"Too many connections from your address (at most "
                                     f"{self.limits.max_connections_per_client}).", "too_many_connections", linger=True)
+
+    def _warn(self, what: str) -> None:
+        """Log ``what`` for this client, at most one line per address and minute."""
+        host = self.client[0] if self.client else "unknown"
+        since = self.refusals.allow(f"{host} {what}")
+        if since is not None:
+            more = f" ({since} more since the previous line)" if since else ""
+            self.logger.warning("%s from %s%s", what, host, more)
 
     def _answer_and_close(self, status: int, message: str, code: str, linger: bool) -> None:
         """Send a complete error response outside h11 (no request is being answered through it) and close."""
@@ -295,7 +310,7 @@ def raw_error_response(status: int, message: str, code: str) -> bytes:
 
 def edge_protocol(limits: EdgeLimits) -> Callable[..., EdgeProtocol]:
     """The protocol factory for ``uvicorn.Config(http=...)``: one shared count of connections per address."""
-    return partial(EdgeProtocol, limits=limits, clients=Counter())
+    return partial(EdgeProtocol, limits=limits, clients=Counter(), refusals=LogThrottle())
 
 
 def uvicorn_config(app: ASGIApp, limits: EdgeLimits, **kwargs: Any) -> uvicorn.Config:

@@ -55,26 +55,39 @@ def public_body(err: KvfenceError) -> dict:
     return body
 
 
+class LogThrottle:
+    """At most one log line per key (a client address) per ``every_s`` seconds; remembers ``ADDRESSES_KEPT``."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self.clock = every_s, clock
+        self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()  # key -> (last line, suppressed since)
+
+    def allow(self, key: str) -> int | None:
+        """``None`` when a line for ``key`` must be suppressed now; else how many were suppressed since the last."""
+        now = self.clock()
+        logged_at, since = self._last.pop(key, (-math.inf, 0))
+        if now - logged_at < self.every_s:
+            self._last[key] = (logged_at, since + 1)
+            return None
+        self._last[key] = (now, 0)
+        while len(self._last) > ADDRESSES_KEPT:
+            self._last.popitem(last=False)
+        return since
+
+
 class FailedLogins:
     """Counts refused keys by reason and logs them, at most one line per client address per ``every_s``."""
 
     def __init__(self, counter: Counter, every_s: float = LOG_EVERY_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.counter, self.every_s, self.clock = counter, every_s, clock
-        self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()  # address -> (last line, refused since)
+        self.counter, self.throttle = counter, LogThrottle(every_s, clock)
 
     def record(self, address: str, reason: str, path: str) -> None:
         self.counter.labels(reason).inc()
-        now = self.clock()
-        logged_at, since = self._last.pop(address, (-math.inf, 0))
-        if now - logged_at < self.every_s:
-            self._last[address] = (logged_at, since + 1)
-            return
-        more = f"; {since} more refused since the previous line" if since else ""
-        log.warning("refused a key from %s on %s: %s%s", address, path, reason, more)
-        self._last[address] = (now, 0)
-        while len(self._last) > ADDRESSES_KEPT:
-            self._last.popitem(last=False)
+        since = self.throttle.allow(address)
+        if since is not None:
+            more = f"; {since} more refused since the previous line" if since else ""
+            log.warning("refused a key from %s on %s: %s%s", address, path, reason, more)
 
 
 class Gate:
