@@ -192,7 +192,7 @@ class EdgeProtocol(H11Protocol):
 
     def _track_reads(self) -> None:
         """Keep the one deadline that fits what the client owes us now."""
-        if self.transport.is_closing():
+        if self._lingering or self.transport.is_closing():
             return
         state = self.conn.their_state
         if state is h11.SEND_BODY:
