@@ -489,7 +489,7 @@ class Soak:
         """Once idle, no worker holds a page; every quarantined page has a reason."""
         deadline = time.monotonic() + 4 * self.s.handoff_timeout + 30
         while True:
-            health = server.health()
+            health = server.health(ADMIN_KEY)
             busy = {w: i for w, i in health.get("workers", {}).items()
                     if i["total_pages"] - i["free_pages"] - i["quarantined_pages"]}
             if not health.get("in_flight") and not busy and health.get("status") == "ok":
@@ -511,7 +511,7 @@ class Soak:
                                        f"{sum(reasons.values())} with a reason")
 
     def worker_pids(self, server: LocalServer) -> dict[str, int]:
-        return {w: i["pid"] for w, i in server.health().get("workers", {}).items()}
+        return {w: i["pid"] for w, i in server.health(ADMIN_KEY).get("workers", {}).items()}
 
     def check_restarts(self, before: dict[str, int], after: dict[str, int]) -> None:
         """Each worker's pid changes once per kill of it; more changes mean a crash (e.g. a failed integrity check)."""
