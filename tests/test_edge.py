@@ -331,7 +331,9 @@ async def test_api_docs_are_off_unless_asked_for():
         schema = (await c.get("/openapi.json")).json()
     assert {"/v1/chat/completions", "/v1/completions", "/admin/workers"} <= set(schema["paths"])
     body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert "messages" in body["properties"]
+    chat = schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert chat["properties"]["messages"]["items"]["$ref"] == "#/components/schemas/ChatMessage"
+    assert "ChatMessage" in schema["components"]["schemas"] and "CompletionRequest" in schema["components"]["schemas"]
 
 
 # -- least exposure -------------------------------------------------------------------------------------------------

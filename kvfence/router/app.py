@@ -140,13 +140,30 @@ def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants, audit: Au
     async def completions(http: Request, tenant: Tenant) -> Response:
         return await server.serve(http, Call(tenant, chat=False))
 
+    _document_bodies(app, ChatCompletionRequest, CompletionRequest)
     return app
 
 
 def _body_doc(schema: type[GenerateBody]) -> dict:
     """The request body for the OpenAPI document: handlers read and validate bodies themselves."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": schema.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+    ref = {"$ref": f"#/components/schemas/{schema.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _document_bodies(app: FastAPI, *schemas: type[GenerateBody]) -> None:
+    """Add ``schemas`` (and the models they use) to the components of ``app``'s OpenAPI document."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            components = build().setdefault("components", {}).setdefault("schemas", {})
+            for schema in schemas:
+                doc = schema.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(doc.pop("$defs", {}))
+                components[schema.__name__] = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _tenant_of(http: Request) -> str:
