@@ -483,24 +483,25 @@ class SlowTokenizer(FakeTokenizer):
 
 
 def test_one_tenants_burst_of_large_requests_does_not_delay_another_tenant():
-    """Alice sends 6 requests that each take 0.5 s to tokenize; Bob's small one, sent after them, is answered
-    about at once (one shared thread, first come first served, would make him wait 3 s)."""
+    """Alice sends 4 requests that each take 1 s to tokenize; Bob's small one, sent after them, is answered
+    about at once: alice holds one of the 2 threads at most (one shared thread, first come first served, made him
+    wait 4 s; one thread served round-robin would still make him wait for the rest of alice's job)."""
     engine = FakeEngine(max_context=4096)
     with serving(engine, tenants(), tokenizer=SlowTokenizer()) as url:
         async def run() -> float:
             async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-                big = {"prompt": "x" * 50_000, "max_tokens": 2}
-                burst = [asyncio.create_task(c.post("/v1/completions", json=big, headers=ALICE)) for _ in range(6)]
+                big = {"prompt": "x" * 100_000, "max_tokens": 2}
+                burst = [asyncio.create_task(c.post("/v1/completions", json=big, headers=ALICE)) for _ in range(4)]
                 await asyncio.sleep(0.2)  # alice's jobs are queued and running
                 started = time.monotonic()
                 small = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=BOB)
                 bob_waited = time.monotonic() - started
                 assert small.status_code == 200
-                assert [r.status_code for r in await asyncio.gather(*burst)] == [200] * 6
+                assert [r.status_code for r in await asyncio.gather(*burst)] == [200] * 4
                 return bob_waited
 
         bob_waited = asyncio.run(run())
-    assert bob_waited < 0.4, f"bob waited {bob_waited:.2f}s behind alice's burst"
+    assert bob_waited < 0.5, f"bob waited {bob_waited:.2f}s behind alice's burst"
 
 
 # -- the connection: real uvicorn behind EdgeProtocol, raw sockets --------------------------------------------------
