@@ -675,3 +675,19 @@ def test_raw_dot_segments_are_not_normalized_into_a_route():
                 sock.sendall(head(path, len(body)) + body)
                 assert read_response(sock)[0] == 404
     assert engine.requests == []
+
+
+def test_upgrade_requests_are_plain_http_and_keep_the_connection_count(caplog):
+    limits = EdgeLimits(max_connections_per_client=2)
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to the root
+    with edge_server(limits=limits) as url:
+        uvicorn_log.addHandler(caplog.handler)
+        for _ in range(5):
+            with connect(url) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                             b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+                assert read_response(sock)[0] == 200
+        time.sleep(0.1)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # no slot was lost
+        uvicorn_log.removeHandler(caplog.handler)
+    assert caplog.text.count("unsupported upgrade request") == 1  # once per address and minute

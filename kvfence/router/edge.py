@@ -237,6 +237,9 @@ class EdgeProtocol(H11Protocol):
         self._answer_and_close(400, "The request is not valid HTTP/1.1, or its headers are too large.",
                                "invalid_http_request", linger=False)
 
+    def _unsupported_upgrade_warning(self) -> None:
+        self._warn("unsupported upgrade request (served as plain HTTP)")
+
     def _refuse(self) -> None:
         self._warn(f"refused a connection: over {self.limits.max_connections_per_client} from one address")
         self._answer_and_close(429, f"Too many connections from your address (at most "
@@ -316,7 +319,8 @@ def edge_protocol(limits: EdgeLimits) -> Callable[..., EdgeProtocol]:
 def uvicorn_config(app: ASGIApp, limits: EdgeLimits, **kwargs: Any) -> uvicorn.Config:
     """uvicorn's config for ``app`` behind ``EdgeProtocol``; ``kwargs`` go to ``uvicorn.Config``."""
     kwargs.setdefault("log_level", "warning")
-    return uvicorn.Config(app, http=edge_protocol(limits), **kwargs)  # type: ignore[arg-type]
+    # No WebSocket: the API has none, and an upgraded connection would leave its address's count for good.
+    return uvicorn.Config(app, http=edge_protocol(limits), ws="none", **kwargs)  # type: ignore[arg-type]
 
 
 def error_headers(err: KvfenceError) -> dict[str, str] | None:
