@@ -66,10 +66,28 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
     g.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
     g.add_argument("--tenants", default=None,
-                   help="TOML file: [tenants.NAME] api_keys = [...]; without it one open tenant 'default'")
+                   help="TOML file: [tenants.NAME] api_keys = [...], optional [admin] and [metrics] api_keys (the "
+                        "admin API, /health's detail, /metrics); without it one open tenant 'default' and no keys")
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
     g.add_argument("--audit-log", default=None, metavar="FILE",
                    help="append one JSON line per generation request to FILE (tenant, status, safety layer, pages)")
+    from kvfence.router.limits import EdgeLimits, positive_seconds
+
+    edge = EdgeLimits()
+    g.add_argument("--max-request-bytes", type=positive_int, default=None, metavar="N",
+                   help="largest request body; a larger one gets 413 before it is read (default: 1 MiB + 128 bytes "
+                        "per token of the served context, 2 MiB at 8,192 tokens: a max-context prompt fits even as "
+                        "escaped JSON text or a token-id list)")
+    g.add_argument("--header-timeout", type=positive_seconds, default=edge.header_timeout, metavar="S",
+                   help="seconds a client has to send a request's headers; then 408 and the connection closes")
+    g.add_argument("--body-timeout", type=positive_seconds, default=edge.body_timeout, metavar="S",
+                   help="seconds a client has to send a whole request body after its headers; then 408 and the "
+                        "connection closes (responses, streams included, are never cut)")
+    g.add_argument("--max-connections-per-client", type=positive_int, default=edge.max_connections_per_client,
+                   metavar="N", help="open connections from one client address; one more is answered 429 and "
+                                     "closed (behind a proxy, the proxy is one client)")
+    g.add_argument("--docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (otherwise 404): they map the whole API, /admin too")
 
 
 def add_stop_args(p: argparse.ArgumentParser) -> None:
@@ -302,10 +320,11 @@ def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_co
 
 def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
     """Serve the OpenAI API until Ctrl-C or SIGTERM; supervise local workers meanwhile."""
-    import uvicorn
 
     from kvfence.router.app import create_app
+    from kvfence.router.edge import uvicorn_config
     from kvfence.router.lifecycle import DrainingServer
+    from kvfence.router.limits import EdgeLimits
     from kvfence.router.tenants import Tenants
     from kvfence.safety import Safety
     from kvfence.tools.auditlog import AuditLog
@@ -320,9 +339,14 @@ def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
         print("kvfence: no --tenants file, so one open tenant 'default' takes any key. To require keys, write\n"
               '  [tenants.alice]\n  api_keys = ["sk-alice-..."]\nto tenants.toml and pass --tenants tenants.toml',
               file=sys.stderr)
-    app = create_app(engine, tokenizer, tenants, AuditLog(args.audit_log) if args.audit_log else None)
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    limits = EdgeLimits(args.max_request_bytes, args.header_timeout, args.body_timeout,
+                        args.max_connections_per_client, args.docs)
+    app = create_app(engine, tokenizer, tenants, AuditLog(args.audit_log) if args.audit_log else None, limits)
+    server = DrainingServer(uvicorn_config(app, limits, host=args.host, port=args.port,
                                            timeout_graceful_shutdown=args.drain_timeout))
+    log.info("HTTP edge: bodies up to %d bytes, headers within %gs, bodies within %gs, %d connections per client",
+             limits.request_bytes(engine.max_context), limits.header_timeout, limits.body_timeout,
+             limits.max_connections_per_client)
 
     async def main() -> None:
         tasks = []

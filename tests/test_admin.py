@@ -372,7 +372,7 @@ def test_admin_metrics_and_audit_log_on_a_real_server(tmp_path):
         assert admin.post(f"/workers/{decode['index']}/undrain").json()["drained"] is False
         completion(bob, model)
 
-        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        metrics = httpx.get(server.url + "/metrics", headers=ADMIN, timeout=10).text
     for line in ('kvfence_requests_total{status="200",tenant="bob"} 2.0',
                  'kvfence_requests_total{status="404",tenant="bob"} 1.0',
                  'kvfence_requests_total{status="503",tenant="bob"} 1.0',

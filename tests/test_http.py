@@ -25,6 +25,8 @@ import uvicorn
 
 from kvfence.core import ContextLengthExceeded, FinishReason, InvalidRequest, Request, RequestOutput, ServiceUnavailable
 from kvfence.router.app import create_app
+from kvfence.router.edge import uvicorn_config
+from kvfence.router.limits import EdgeLimits
 from kvfence.router.tenants import Tenants
 
 MODEL = "fake-model"
@@ -110,8 +112,8 @@ class FakeEngine:
         return {"mode": "fake", "running": 0}
 
 
-def make_app(engine: FakeEngine, tenants: Tenants | None = None):
-    return create_app(engine, FakeTokenizer(), tenants or Tenants.open())
+def make_app(engine: FakeEngine, tenants: Tenants | None = None, limits: EdgeLimits | None = None, **kw):
+    return create_app(engine, kw.pop("tokenizer", FakeTokenizer()), tenants or Tenants.open(), limits=limits, **kw)
 
 
 @pytest.fixture
@@ -485,7 +487,7 @@ async def test_lone_surrogate_is_400():
     async with asgi_client(FakeEngine()) as c:
         body = b'{"messages": [{"role": "user", "content": "\\ud800"}]}'
         resp = await c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
-        assert_error(resp, 400, "invalid_request_error", "messages")
+        assert_error(resp, 400, "invalid_request_error", "messages.[0].content")
         body = b'{"prompt": "a\\udfffb"}'
         resp = await c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
         assert_error(resp, 400, "invalid_request_error", "prompt")
@@ -544,12 +546,15 @@ async def test_one_log_line_per_request(caplog):
 
 
 @contextlib.contextmanager
-def serving(engine: FakeEngine, tenants: Tenants | None = None) -> Iterator[str]:
-    """Run the app under uvicorn on a free 127.0.0.1 port in a thread; yield its base URL."""
+def serving(engine: FakeEngine, tenants: Tenants | None = None, limits: EdgeLimits | None = None,
+            **kw) -> Iterator[str]:
+    """Run the app under uvicorn behind the edge's protocol, as ``kvfence serve`` does, on a free 127.0.0.1 port in
+    a thread; yield its base URL. ``kw`` go to ``create_app``."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, tenants), log_level="warning", lifespan="off"))
+    limits = limits or EdgeLimits()
+    server = uvicorn.Server(uvicorn_config(make_app(engine, tenants, limits, **kw), limits, lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

@@ -47,7 +47,8 @@ BOB = fit("Tell me a short story about a lighthouse keeper. " * 100, "", 1040)  
 @pytest.fixture(scope="module")
 def tenants(tmp_path_factory):
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text('[tenants.alice]\napi_keys = ["sk-alice"]\n\n[tenants.bob]\napi_keys = ["sk-bob"]\n')
+    path.write_text('[tenants.alice]\napi_keys = ["sk-alice"]\n\n[tenants.bob]\napi_keys = ["sk-bob"]\n\n'
+                    '[admin]\napi_keys = ["sk-admin"]\n')
     return str(path)
 
 
@@ -60,7 +61,7 @@ def alice_then_bob(server: Server) -> openai.APIResponse:
 
 def test_every_layer_off_leaks_alices_kv_into_bobs_200(tenants):
     with Server(*INCIDENT_FLAGS, tenants, env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
-        assert server.health()["safety_layers_off"]  # announced in /health
+        assert server.health("sk-admin")["safety_layers_off"]  # announced in /health's detail, to admins
         raw = alice_then_bob(server)
         text = raw.parse().choices[0].message.content
         assert raw.status_code == 200  # the wrong status: bob's prompt is over the prefill pool

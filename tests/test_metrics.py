@@ -21,7 +21,7 @@ from kvfence.router.metrics import Metrics
 from kvfence.router.tenants import Tenants
 from kvfence.tools.auditlog import AuditLog, AuditRecord, read_records
 from tests.test_admin import ADMIN, ADMIN_KEY, ALICE, BOB, core_with, request, tenants
-from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, chat_body, template
+from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body, template
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def value(text: str, name: str, **labels: str) -> float | None:
 
 
 async def scrape(c: httpx.AsyncClient) -> str:
-    resp = await c.get("/metrics")
+    resp = await c.get("/metrics", headers=ADMIN)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     return resp.text
 
@@ -144,11 +144,26 @@ async def test_each_app_has_its_own_registry():
 
 
 @pytest.mark.anyio
-async def test_metrics_need_no_key_even_with_tenants():
-    app = create_app(FakeEngine(), FakeTokenizer(), Tenants(KEYS))
+async def test_metrics_need_an_admin_or_metrics_key_with_tenants_and_none_without():
+    app = create_app(FakeEngine(), FakeTokenizer(), Tenants(KEYS, admin_keys=["sk-admin-1"], metrics_keys=["sk-prom"]))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-        assert (await c.get("/metrics")).status_code == 200
+        assert_error(await c.get("/metrics"), 401, "authentication_error", code="invalid_api_key")
+        assert_error(await c.get("/metrics", headers={"Authorization": "Bearer sk-nope"}), 401,
+                     "authentication_error", code="invalid_api_key")
+        assert_error(await c.get("/metrics", headers=ALICE), 403, "permission_error", code="permission_denied")
         assert (await c.get("/metrics", headers=ADMIN)).status_code == 200
+        prom = {"Authorization": "Bearer sk-prom"}
+        text = (await c.get("/metrics", headers=prom)).text
+        for reason, n in (("missing_key", 1), ("unknown_key", 1), ("wrong_key_kind", 1)):
+            assert value(text, "kvfence_auth_failures_total", reason=reason) == n
+        assert "sk-" not in text
+        # a metrics key does nothing else
+        assert_error(await c.post("/v1/chat/completions", json=chat_body(), headers=prom), 403, "permission_error",
+                     code="permission_denied")
+        assert_error(await c.get("/admin/workers", headers=prom), 403, "permission_error", code="permission_denied")
+    app = create_app(FakeEngine(), FakeTokenizer(), Tenants.open())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        assert (await c.get("/metrics")).status_code == 200  # open mode: no keys exist, nothing to hold it to
 
 
 # -- audit log -----------------------------------------------------------------------------------------
@@ -239,7 +254,7 @@ async def test_a_client_that_leaves_is_recorded_as_499(tmp_path, stream):
         app = create_app(engine, FakeTokenizer(), tenants(), audit)
         await asyncio.wait_for(app(http_scope("/v1/chat/completions"), receive, send), 10)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            text = (await client.get("/metrics")).text
+            text = (await client.get("/metrics", headers=ADMIN)).text
     [record] = read_log(path)
     assert (record.tenant, record.status, record.admission, record.error) == ("alice", 499, "accepted", None)
     assert record.output_tokens == 1 and engine.ending == "CancelledError"

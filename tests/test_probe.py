@@ -219,14 +219,15 @@ def test_report_table_and_exit_codes():
 @pytest.fixture(scope="module")
 def tenants(tmp_path_factory):
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text("".join(f'[tenants.{t}]\napi_keys = ["sk-{t}"]\n\n' for t in ("alice", "carol", "bob")))
+    path.write_text("".join(f'[tenants.{t}]\napi_keys = ["sk-{t}"]\n\n' for t in ("alice", "carol", "bob"))
+                    + '[admin]\napi_keys = ["sk-admin"]\n')
     return str(path)
 
 
 def run_probe(server: Server, tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "kvfence.cli", "probe", "--url", server.url, "--key", "sk-alice", "--key",
-           "sk-carol", "--key", "sk-bob", "--json", str(out), *flags]
+           "sk-carol", "--key", "sk-bob", "--admin-key", "sk-admin", "--json", str(out), *flags]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     return done, json.loads(out.read_text()) if out.exists() else {}
 

@@ -121,7 +121,7 @@ class DecodeCore:
                 err = ServiceUnavailable(f"no KV pages became free within {self.limits.handoff_timeout}s")
                 actions += [self._reject(req.rid, err), Send(req.prefill, Fail(req.rid, ErrorInfo.of(err)))]
             elif req.state is DState.AWAIT_DONE and now >= req.deadline:
-                err = ServiceUnavailable(f"prefill worker {req.prefill} did not finish the KV transfer in time")
+                err = ServiceUnavailable("the prefill worker did not finish the KV transfer in time")
                 actions += [self._reject(req.rid, err), *self._abort(req, now)]
             elif req.state is DState.ABORTING and now >= req.deadline:
                 self._hold(req, f"no Done/AbortAck from {req.prefill} within {self.limits.abort_timeout}s")
@@ -141,7 +141,7 @@ class DecodeCore:
         for req in list(self.reqs.values()):
             if req.prefill == worker and req.state in (DState.AWAIT_DONE, DState.ABORTING):
                 if req.state is DState.AWAIT_DONE:
-                    actions.append(self._reject(req.rid, ServiceUnavailable(f"prefill worker {worker} died")))
+                    actions.append(self._reject(req.rid, ServiceUnavailable("the prefill worker died")))
                 self._release(req)
         for rid, (writer, _) in list(self.held.items()):
             if writer == worker:

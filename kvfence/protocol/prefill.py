@@ -89,7 +89,7 @@ class PrefillCore:
             if now < req.deadline:
                 continue
             if req.state is PState.WAIT_DEST:
-                err = ServiceUnavailable(f"decode worker {req.decode} never assigned KV pages")
+                err = ServiceUnavailable("the decode worker never assigned KV pages")
                 actions.append(self._reject(req.rid, err))
                 del self.reqs[req.rid]
             elif req.state is PState.WAIT_PREFILL:
@@ -124,10 +124,10 @@ class PrefillCore:
                 continue
             if req.state is PState.COMPUTING:
                 req.state = PState.ACKED
-                actions += [StopPrefill(req.rid), self._reject(req.rid, ServiceUnavailable(f"{worker} died"))]
+                actions += [StopPrefill(req.rid), self._reject(req.rid, ServiceUnavailable("the decode worker died"))]
             elif req.state in (PState.WAIT_DEST, PState.WAIT_PREFILL):
                 if req.msg is not None:
-                    actions.append(self._reject(req.rid, ServiceUnavailable(f"decode worker {worker} died")))
+                    actions.append(self._reject(req.rid, ServiceUnavailable("the decode worker died")))
                 del self.reqs[req.rid]
         return actions
 

@@ -120,7 +120,7 @@ class RouterCore:
                 req.heard, req.quiet_since = False, now
             elif now - req.quiet_since > self.silence_timeout:
                 self._end(req)
-                err = ServiceUnavailable(f"no word from workers {req.prefill} and {req.decode} for "
+                err = ServiceUnavailable(f"no word from this request's prefill and decode workers for "
                                          f"{self.silence_timeout:.0f}s", code="worker_silent")
                 actions += [Send(req.decode, Cancel(req.rid)), Deliver(req.rid, error=err)]
         return actions
@@ -163,13 +163,15 @@ class RouterCore:
 
     def worker_down(self, worker: str) -> list[Action]:
         """``worker`` died: its requests end with a 503 now; their other legs are cancelled."""
-        if self.workers.pop(worker, None) is None:
+        info = self.workers.pop(worker, None)
+        if info is None:
             return []
         actions: list[Action] = [Send(w, WorkerDown(worker)) for w in self.workers]
+        died = f"the {info.hello.role} worker serving this request died"  # no address: clients see it
         for req in list(self.reqs.values()):
             if worker in (req.prefill, req.decode):
                 self._end(req)
-                actions.append(Deliver(req.rid, error=ServiceUnavailable(f"worker {worker} died")))
+                actions.append(Deliver(req.rid, error=ServiceUnavailable(died)))
                 if req.decode != worker:
                     actions.append(Send(req.decode, Cancel(req.rid)))
         return actions

@@ -24,12 +24,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Protocol, runtime_checkable
 
-from fastapi import APIRouter, Body, Depends, Header, Request
-from pydantic import BaseModel, ConfigDict
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvfence.core import InvalidRequest, NotFound, RequestOutput, ServiceUnavailable
 from kvfence.core import Request as EngineRequest
 from kvfence.engine.client import EngineClient
+from kvfence.router.edge import path_param
+from kvfence.router.schemas import invalid_request, strict_json
 from kvfence.router.tenants import Tenants
 
 log = logging.getLogger("kvfence.admin")
@@ -144,7 +146,7 @@ def managed(engine: EngineClient) -> ManagedEngine:
 
 
 class PrivateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     tenants: list[str] = []
 
@@ -158,10 +160,10 @@ def admin_router(engine: ManagedEngine, access: ModelAccess) -> APIRouter:
         return {"object": "list", "data": [access.describe(engine.model_name)]}
 
     @router.post("/models/{model:path}/private")
-    async def make_private(model: str, http: Request, admin: Admin,
-                           body: Annotated[PrivateBody | None, Body()] = None) -> dict:
+    async def make_private(model: str, http: Request, admin: Admin) -> dict:
+        model = path_param(model)
         _check_model(engine, model)
-        allowed = frozenset((body or PrivateBody()).tenants)
+        allowed = frozenset((await _private_body(http)).tenants)
         _check_tenants(http.app.state.tenants, allowed)
         access.make_private(model, allowed)
         log.info("admin %s made model %s private (allowed tenants: %s)", admin, model,
@@ -170,6 +172,7 @@ def admin_router(engine: ManagedEngine, access: ModelAccess) -> APIRouter:
 
     @router.post("/models/{model:path}/public")
     async def make_public(model: str, admin: Admin) -> dict:
+        model = path_param(model)
         _check_model(engine, model)
         access.make_public(model)
         log.info("admin %s made model %s public", admin, model)
@@ -190,9 +193,19 @@ def admin_router(engine: ManagedEngine, access: ModelAccess) -> APIRouter:
     return router
 
 
-async def _admin_of(http: Request, authorization: Annotated[str | None, Header()] = None) -> str:
-    tenants: Tenants = http.app.state.tenants
-    return tenants.authenticate_admin(authorization)
+async def _admin_of(http: Request) -> str:
+    return http.app.state.gate.admin(http)
+
+
+async def _private_body(http: Request) -> PrivateBody:
+    """The optional body of ``.../private``, read within the edge's limits and parsed as strictly as /v1's."""
+    raw = await http.body()
+    if not raw.strip():
+        return PrivateBody()
+    try:
+        return PrivateBody.model_validate(strict_json(raw))
+    except ValidationError as e:
+        raise invalid_request(e.errors()) from None
 
 
 Admin = Annotated[str, Depends(_admin_of)]
@@ -214,7 +227,9 @@ def _indexed(table: list[dict]) -> list[dict[str, Any]]:
 
 
 def _resolve(engine: ManagedEngine, ref: str) -> str:
-    """A worker id from an id or an index into ``GET /admin/workers``; 404 when neither names a worker."""
+    """A worker id from an id (URL-encoded) or an index into ``GET /admin/workers``; 404 when neither names a
+    worker."""
+    ref = path_param(ref)
     ids = [entry["id"] for entry in engine.worker_table()]
     if ref.isdigit() and int(ref) < len(ids):
         return ids[int(ref)]

@@ -3,7 +3,13 @@
 Contracts:
 
 - Every error leaves in OpenAI's ``{"error": {...}}`` shape with an honest
-  status (I3): 4xx for the client's fault, 5xx for ours, never a 200.
+  status (I3): 4xx for the client's fault, 5xx for ours, never a 200. No
+  error body names an internal address (``exposure.redact``).
+- The edge (``router/edge.py``) caps and times each body and routes on the
+  path as sent; there are no redirects (a trailing slash is a 404).
+- A generation request is authenticated first; then its body is read, parsed
+  strictly (``schemas.parse_body``), templated and tokenized off the event
+  loop, fairly across tenants (``router/fair.py``).
 - Length admission (L1) runs here, on the real token count, before the
   engine sees the request: ``prompt + max_tokens > max_context`` is a 400
   ``context_length_exceeded``.
@@ -15,12 +21,14 @@ Contracts:
   closed (``aclose``, shielded from cancellation), which aborts the request.
   An await on the engine that is in progress is cancelled.
 - Each generation request of an authenticated tenant ends in exactly one
-  ledger entry (log line, metrics, audit record), whether the model was
-  unknown, admission rejected it, the engine failed it, it finished, or the
-  client left (status 499).
+  ledger entry (log line, metrics, audit record), whether its body was too
+  large, slow or invalid, the model was unknown, admission rejected it, the
+  engine failed it, it finished, or the client left (status 499).
 - A model an admin made private is, to every tenant not allowed, an unknown
   model (404 ``model_not_found``). ``/admin`` is the admin API
-  (``router/admin.py``); ``GET /metrics`` serves Prometheus text without auth.
+  (``router/admin.py``). Who may read ``/health``'s detail and ``/metrics``:
+  ``router/exposure.py``. ``/docs``, ``/redoc`` and ``/openapi.json`` exist
+  only with ``EdgeLimits.docs``.
 """
 
 from __future__ import annotations
@@ -28,18 +36,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Annotated, Any, TypeVar
 
 import anyio
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfence.core import (
@@ -56,10 +64,14 @@ from kvfence.core import (
 from kvfence.core import Request as EngineRequest
 from kvfence.engine.client import EngineClient
 from kvfence.router.admin import ManagedEngine, ModelAccess, admin_router, managed
+from kvfence.router.edge import EdgeGuard, error_headers, path_param
+from kvfence.router.exposure import FailedLogins, Gate, public_body
+from kvfence.router.fair import FairPool
 from kvfence.router.ledger import Ledger, RequestEnd
+from kvfence.router.limits import EdgeLimits
 from kvfence.router.metrics import CONTENT_TYPE, Metrics
 from kvfence.router.responses import DONE, Format, error_body, sse
-from kvfence.router.schemas import ChatCompletionRequest, CompletionRequest, GenerateBody
+from kvfence.router.schemas import ChatCompletionRequest, CompletionRequest, GenerateBody, invalid_request, parse_body
 from kvfence.router.tenants import Tenants
 from kvfence.safety import Safety
 from kvfence.tools.auditlog import AuditLog
@@ -67,34 +79,48 @@ from kvfence.tools.auditlog import AuditLog
 log = logging.getLogger("kvfence.router")
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only logged and recorded, never sent
+PENDING_BODIES_PER_TENANT = 8  # a tenant's bodies waiting for tokenization, in units of the largest allowed
 
 
-def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants, audit: AuditLog | None = None) -> FastAPI:
+def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants, audit: AuditLog | None = None,
+               limits: EdgeLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under the OpenAI API, keys checked by ``tenants``.
 
-    Each generation request's end is appended to ``audit`` (default: no audit log).
+    Each generation request's end is appended to ``audit`` (default: no audit log). ``limits``: the edge's
+    (default ``EdgeLimits()``); the connection-level ones apply only under ``edge.uvicorn_config``.
     """
+    limits = limits or EdgeLimits()
     engine = managed(engine)
     metrics = Metrics(engine)
     access = ModelAccess()
-    server = OpenAIServer(engine, tokenizer, access, Ledger(engine, metrics, audit or AuditLog.null()))
-    app = FastAPI(title="kvfence", summary="Multi-tenant OpenAI-compatible LLM serving")
+    max_bytes = limits.request_bytes(engine.max_context)
+    server = OpenAIServer(engine, tokenizer, access, Ledger(engine, metrics, audit or AuditLog.null()),
+                          FairPool(PENDING_BODIES_PER_TENANT * max_bytes))
+    docs = {} if limits.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="kvfence", summary="Multi-tenant OpenAI-compatible LLM serving", redirect_slashes=False,
+                  **docs)
+    gate = app.state.gate = Gate(tenants, FailedLogins(metrics.auth_failures))
     app.state.tenants = tenants
     app.include_router(admin_router(engine, access))
+    app.add_middleware(EdgeGuard, max_request_bytes=max_bytes, body_timeout=limits.body_timeout)
     app.add_middleware(InternalErrors)
     app.add_exception_handler(KvfenceError, _on_kvfence_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        """200 with the engine's figures; 503 when the engine reports a status other than "ok"."""
+    async def health(http: Request) -> JSONResponse:
+        """200 when the engine is ready, else 503; the detail only to an admin key (or in open mode)."""
         body = {"status": "ok", **engine.health(), "safety_layers_off": Safety.from_env().disabled}
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+        ready = body["status"] == "ok"
+        if not gate.sees_detail(http):
+            body = {"status": "ok" if ready else "unavailable"}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        """Prometheus text; no auth (labels name tenants, never keys)."""
+    async def prometheus_metrics(http: Request) -> Response:
+        """Prometheus text, for an admin or metrics key (anyone in open mode); labels name tenants, never keys."""
+        gate.metrics_reader(http)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -103,26 +129,49 @@ def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants, audit: Au
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, tenant: Tenant) -> dict:
-        server.check_model(model_id, tenant)
+        server.check_model(path_param(model_id), tenant)
         return server.model_card()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: Request, tenant: Tenant) -> Response:
-        return await server.serve(http, Call(tenant, body, chat=True))
+    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+    async def chat_completions(http: Request, tenant: Tenant) -> Response:
+        return await server.serve(http, Call(tenant, chat=True))
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request, tenant: Tenant) -> Response:
-        return await server.serve(http, Call(tenant, body, chat=False))
+    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+    async def completions(http: Request, tenant: Tenant) -> Response:
+        return await server.serve(http, Call(tenant, chat=False))
 
+    _document_bodies(app, ChatCompletionRequest, CompletionRequest)
     return app
 
 
-async def _tenant_of(http: Request, authorization: Annotated[str | None, Header()] = None) -> str:
-    tenants: Tenants = http.app.state.tenants
-    return tenants.authenticate(authorization)
+def _body_doc(schema: type[GenerateBody]) -> dict:
+    """The request body for the OpenAPI document: handlers read and validate bodies themselves."""
+    ref = {"$ref": f"#/components/schemas/{schema.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-# Dependencies run before the body is validated: without a valid key, no details about the body leak.
+def _document_bodies(app: FastAPI, *schemas: type[GenerateBody]) -> None:
+    """Add ``schemas`` (and the models they use) to the components of ``app``'s OpenAPI document."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            components = build().setdefault("components", {}).setdefault("schemas", {})
+            for schema in schemas:
+                doc = schema.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(doc.pop("$defs", {}))
+                components[schema.__name__] = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+async def _tenant_of(http: Request) -> str:
+    gate: Gate = http.app.state.gate
+    return gate.tenant(http)
+
+
+# Dependencies run before the body is read: without a valid key, nothing about the body is read or said.
 Tenant = Annotated[str, Depends(_tenant_of)]
 
 
@@ -131,10 +180,9 @@ Tenant = Annotated[str, Depends(_tenant_of)]
 
 @dataclass(frozen=True)
 class Call:
-    """One tenant's generation request as it arrived, before tokenizing."""
+    """One tenant's generation request as it arrived, before its body is read."""
 
     tenant: str
-    body: GenerateBody
     chat: bool
     rid: int = field(default_factory=new_request_id)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -149,32 +197,34 @@ class Call:
     def endpoint(self) -> str:
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
-    def end(self, model: str, prompt_tokens: int, max_tokens: int) -> RequestEnd:
-        """The ledger entry of this call, to be completed with its outcome."""
-        return RequestEnd(self.tenant, self.rid, self.body.model or model, self.endpoint, self.arrived,
-                          prompt_tokens, max_tokens)
+    @property
+    def schema(self) -> type[GenerateBody]:
+        return ChatCompletionRequest if self.chat else CompletionRequest
 
 
-@dataclass(frozen=True)
+@dataclass
 class Job:
-    """A tokenized call, not yet admitted."""
+    """A call being prepared: its body once parsed, its prompt once tokenized (filled in on a worker thread)."""
 
     call: Call
-    prompt_ids: list[int]
+    body: GenerateBody | None = None
+    prompt_ids: list[int] = field(default_factory=list)
 
 
 class OpenAIServer:
     """Turns request bodies into engine requests and engine outputs into responses."""
 
-    def __init__(self, engine: ManagedEngine, tokenizer: Any, access: ModelAccess, ledger: Ledger) -> None:
+    def __init__(self, engine: ManagedEngine, tokenizer: Any, access: ModelAccess, ledger: Ledger,
+                 prepare: FairPool) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.access = access
         self.ledger = ledger
         self.started = int(time.time())
-        # Templating and tokenizing run off the event loop, one at a time: a huge prompt must not stall
-        # other streams, and the tokenizer need not be thread-safe.
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfence-tokenize")
+        # Parsing, templating and tokenizing run off the event loop, one job per tenant at a time and round-robin
+        # across tenants: a huge body stalls neither the loop nor another tenant. The tokenizer and the chat
+        # template must be safe to call from two threads (tokenizers' Rust encoder and jinja2 are).
+        self.prepare = prepare
 
     def model_card(self) -> dict:
         name = self.engine.model_name
@@ -193,54 +243,66 @@ class OpenAIServer:
             raise NotFound(f"The model `{model or name}` does not exist.", param="model")
 
     async def serve(self, http: Request, call: Call) -> Response:
-        """Tokenize and admit ``call``, run it on the engine, and answer as JSON or as an SSE stream.
+        """Read, prepare and admit ``call``, run it on the engine, and answer as JSON or as an SSE stream.
 
         A call that fails before the engine gets it ends in its ledger entry here; one that reaches the engine,
         in ``Generation.close``.
         """
-        job: Job | None = None
+        job = Job(call)
         try:
-            job = await self._job(call)
+            raw = await http.body()
+            await self.prepare.run(call.tenant, len(raw), partial(self._prepare, job, raw))
             request = self.admit(job)
-        except KvfenceError as err:
-            prompt_tokens = len(job.prompt_ids) if job else 0
-            end = call.end(self.engine.model_name, prompt_tokens, self._max_tokens(call, prompt_tokens))
-            self.ledger.record(end.rejected(err))
+        except (ClientDisconnect, asyncio.CancelledError) as err:
+            self.ledger.record(replace(self._end(job), status=CLIENT_CLOSED))
+            if isinstance(err, ClientDisconnect):
+                return Response(status_code=CLIENT_CLOSED)  # nobody reads it
             raise
-        fmt = Format.for_request(call.chat, call.rid, call.created, self.engine.model_name, call.body.include_usage)
-        gen = Generation(self.engine, request, call.end(self.engine.model_name, request.prompt_len,
-                                                        request.params.max_tokens), self.ledger)
-        if call.body.stream:
+        except Exception as err:
+            self.ledger.record(self._end(job).rejected(_as_kvfence(err)))
+            raise
+        assert job.body is not None
+        fmt = Format.for_request(call.chat, call.rid, call.created, self.engine.model_name, job.body.include_usage)
+        gen = Generation(self.engine, request, self._end(job), self.ledger)
+        if job.body.stream:
             return await self._stream(http, gen, fmt)
         return await self._complete(http, gen, fmt)
 
-    async def _job(self, call: Call) -> Job:
-        self.check_model(call.body.model, call.tenant)
-        call.body.check()
-        if isinstance(call.body, ChatCompletionRequest):
-            messages = [m.for_template() for m in call.body.messages]
-            text = await self._off_loop(self._render, messages)
-            return Job(call, await self._encode(text, "messages"))
-        assert isinstance(call.body, CompletionRequest)
-        if isinstance(call.body.prompt, str):
-            return Job(call, await self._encode(call.body.prompt, "prompt"))
-        return Job(call, self._checked_ids(call.body.prompt))
+    def _end(self, job: Job) -> RequestEnd:
+        """The ledger entry of ``job`` as far as it got, to be completed with its outcome."""
+        call, body = job.call, job.body
+        model = body.model if body is not None and body.model else self.engine.model_name
+        prompt_tokens = len(job.prompt_ids)
+        max_tokens = self._max_tokens(body, prompt_tokens) if body is not None else 0
+        return RequestEnd(call.tenant, call.rid, model, call.endpoint, call.arrived, prompt_tokens, max_tokens)
+
+    def _prepare(self, job: Job, raw: bytes) -> None:
+        """On a worker thread: parse and check ``raw``, then template and tokenize it into ``job``."""
+        job.body = body = parse_body(raw, job.call.schema)
+        self.check_model(body.model, job.call.tenant)
+        if isinstance(body, ChatCompletionRequest):
+            job.prompt_ids = self._encode(self._render([m.for_template() for m in body.messages]))
+        elif isinstance(body.prompt, str):
+            job.prompt_ids = self._encode(body.prompt)
+        else:
+            job.prompt_ids = self._checked_ids(body.prompt)
 
     def admit(self, job: Job) -> EngineRequest:
         """L1: settle ``max_tokens`` and reject what cannot fit the context, before any engine work.
 
         An omitted ``max_tokens`` means "up to the context limit", which needs at least one free token.
         """
-        call = job.call
+        call, body = job.call, job.body
+        assert body is not None
         prompt_len, limit = len(job.prompt_ids), self.engine.max_context
         if prompt_len == 0:
             raise InvalidRequest("The prompt is empty.", param=call.param)
-        max_tokens = self._max_tokens(call, prompt_len)
+        max_tokens = self._max_tokens(body, prompt_len)
         if prompt_len + max_tokens > limit:
             err = ContextLengthExceeded(prompt_len, max_tokens, limit)
             err.param = call.param
             raise err
-        return EngineRequest(job.prompt_ids, call.body.sampling_params(max_tokens), tenant=call.tenant, rid=call.rid)
+        return EngineRequest(job.prompt_ids, body.sampling_params(max_tokens), tenant=call.tenant, rid=call.rid)
 
     async def _complete(self, http: Request, gen: Generation, fmt: Format) -> Response:
         gone = False
@@ -270,13 +332,10 @@ class OpenAIServer:
             raise
         return EventStream(_events(gen, fmt, first), on_close=gen.close)
 
-    def _max_tokens(self, call: Call, prompt_len: int) -> int:
+    def _max_tokens(self, body: GenerateBody, prompt_len: int) -> int:
         """The request's ``max_tokens``, or when omitted "up to the context limit" (at least one)."""
-        requested = call.body.requested_max_tokens
+        requested = body.requested_max_tokens
         return requested if requested is not None else max(self.engine.max_context - prompt_len, 1)
-
-    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def _render(self, messages: list[dict]) -> str:
         try:
@@ -285,15 +344,8 @@ class OpenAIServer:
             raise InvalidRequest(f"The messages could not be rendered with the chat template: {e}",
                                  param="messages") from e
 
-    async def _encode(self, text: str, param: str) -> list[int]:
-        try:
-            return await self._off_loop(self._valid_encode, text)
-        except UnicodeError as e:
-            raise InvalidRequest(f"The text is not valid Unicode: {e}", param=param) from e
-
-    def _valid_encode(self, text: str) -> list[int]:
-        text.encode()  # a lone surrogate (from a JSON escape) raises here, not as a tokenizer TypeError
-        return self.tokenizer.encode(text)
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)  # the body's strings are valid Unicode (schemas.parse_body)
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         vocab = getattr(self.tokenizer, "vocab_size", None)
@@ -301,6 +353,11 @@ class OpenAIServer:
             raise InvalidRequest(f"Token id {max(ids)} is out of range; the vocabulary has {vocab} tokens.",
                                  param="prompt")
         return ids
+
+
+def _as_kvfence(err: Exception) -> KvfenceError:
+    """``err`` as the ledger records it: a ``KvfenceError`` as is, anything else an internal error (500)."""
+    return err if isinstance(err, KvfenceError) else KvfenceError("Internal server error.")
 
 
 async def _events(gen: Generation, fmt: Format, first: RequestOutput) -> AsyncIterator[bytes]:
@@ -324,11 +381,11 @@ async def _events(gen: Generation, fmt: Format, first: RequestOutput) -> AsyncIt
         gen.succeeded()
     except KvfenceError as err:
         gen.failed(err)
-        yield sse(err.to_body())
+        yield sse(public_body(err))
     except Exception as err:
         log.exception("stream of rid=%032x failed", gen.request.rid)
         gen.failed(err)
-        yield sse(KvfenceError("Internal server error.").to_body())
+        yield sse(public_body(KvfenceError("Internal server error.")))
     yield DONE
 
 
@@ -489,7 +546,7 @@ class EventStream(StreamingResponse):
 
 
 def _error_response(err: KvfenceError) -> JSONResponse:
-    return JSONResponse(err.to_body(), status_code=err.status)
+    return JSONResponse(public_body(err), status_code=err.status, headers=error_headers(err))
 
 
 async def _on_kvfence_error(_: Request, err: Exception) -> JSONResponse:
@@ -499,7 +556,7 @@ async def _on_kvfence_error(_: Request, err: Exception) -> JSONResponse:
 
 async def _on_validation_error(_: Request, err: Exception) -> JSONResponse:
     assert isinstance(err, RequestValidationError)
-    return _error_response(invalid_request(err.errors()))
+    return _error_response(invalid_request(list(err.errors())))
 
 
 async def _on_http_error(http: Request, err: Exception) -> JSONResponse:
@@ -510,24 +567,6 @@ async def _on_http_error(http: Request, err: Exception) -> JSONResponse:
         message = str(err.detail)
     return JSONResponse(error_body(message, "invalid_request_error"), status_code=err.status_code,
                         headers=err.headers)
-
-
-def invalid_request(errors: Sequence[Any]) -> InvalidRequest:
-    """The first pydantic/FastAPI validation error as a 400 whose ``param`` names the field."""
-    first = dict(errors[0]) if errors else {}
-    loc = list(first.get("loc", ()))
-    if loc and loc[0] == "body":
-        loc = loc[1:]
-    if first.get("type") == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "invalid JSON")
-        return InvalidRequest(f"The request body is not valid JSON: {detail} (at character {loc[0] if loc else 0}).")
-    if not loc:
-        return InvalidRequest("The request body must be a JSON object, sent with Content-Type: application/json.")
-    param = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc)
-    if first.get("type") == "missing":
-        return InvalidRequest(f"Missing required parameter: '{param}'.", param=param)
-    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    return InvalidRequest(f"Invalid value for '{param}': {msg}", param=param)
 
 
 class InternalErrors:

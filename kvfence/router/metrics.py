@@ -1,4 +1,5 @@
-"""Prometheus metrics of one app, served at ``GET /metrics`` (no auth; labels carry tenant names, never keys).
+"""Prometheus metrics of one app, served at ``GET /metrics`` (labels carry tenant names, never keys; who may read
+them: ``router/exposure.py``).
 
 Counters and histograms are updated as requests run (``request_ended``, ``first_token``, ``later_tokens``);
 KV pool gauges and transfers in flight are read from the engine's ``health()`` at scrape time. Each app has its
@@ -11,6 +12,8 @@ Metrics:
   layer (``none`` if no layer decided), ``reason`` the OpenAI error code (else its type).
 - ``kvfence_kv_verification_failures_total{layer}``: rejections by the tags, coverage or checksum layer.
 - ``kvfence_output_tokens_total{tenant}``: tokens generated.
+- ``kvfence_auth_failures_total{reason}``: requests refused for their key (401 and 403): ``missing_key``,
+  ``unknown_key`` or ``wrong_key_kind``.
 - ``kvfence_time_to_first_token_seconds``, ``kvfence_time_per_output_token_seconds``: histograms, measured at
   the router from admission.
 - ``kvfence_kv_pages_total{worker,role}``, ``kvfence_kv_pages_in_use{worker,role}``,
@@ -48,6 +51,8 @@ class Metrics:
         self.verification_failures = Counter("kvfence_kv_verification_failures", "Requests failed by KV "
                                              "verification (tags, coverage, checksum).", ["layer"], registry=r)
         self.output_tokens = Counter("kvfence_output_tokens", "Tokens generated.", ["tenant"], registry=r)
+        self.auth_failures = Counter("kvfence_auth_failures", "Requests refused for their API key (401 and 403), "
+                                     "by reason.", ["reason"], registry=r)
         self.ttft = Histogram("kvfence_time_to_first_token_seconds", "From admission to the first token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("kvfence_time_per_output_token_seconds", "Between tokens after the first.",

@@ -1,38 +1,114 @@
-"""Request bodies of ``/v1/chat/completions`` and ``/v1/completions``.
+"""Request bodies of ``/v1/chat/completions`` and ``/v1/completions``, parsed strictly.
 
-Pydantic checks shapes and ranges; a failure becomes a 400 whose ``param``
-names the field (see ``app.py``). ``check()`` then rejects what parses but
-cannot be honoured (``n > 1``, logprobs, tools, penalties, ...): a 400 is
-better than an answer that silently ignores part of the request. Unknown
-fields are ignored, as vLLM does.
+``parse_body`` turns raw bytes into a validated body or raises ``InvalidRequest`` (400) naming the param:
+
+- the JSON must be UTF-8 and an object; ``NaN``, ``Infinity`` and numbers too large for a double (``1e400``)
+  are refused wherever they appear, and so are strings that are not valid Unicode (a lone UTF-16 surrogate
+  such as ``"\\ud800"``), in known and unknown fields alike: nothing a worker cannot encode gets past the edge;
+- pydantic then checks shapes, types and ranges in strict mode: an integer must be a JSON integer, a boolean a
+  JSON boolean, a string a JSON string (a float may be given as a JSON integer);
+- ``check()`` rejects what parses but cannot be honoured (``n > 1``, logprobs, tools, penalties, ...): a 400 is
+  better than an answer that silently ignores part of the request. Unknown fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+import math
+import re
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kvfence.core import InvalidRequest, SamplingParams
 
-# Fields we know but do not implement, with the values that mean "off".
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "min_tokens": (None, 0),
-}
+STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate can enter valid UTF-8 JSON
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+Number = float  # a JSON number; strict mode still takes a JSON integer for it
+_INT64 = 2**63
+_INT32_MAX = 2**31 - 1
+
+
+def parse_body(raw: bytes, schema: type[GenerateBody]) -> GenerateBody:
+    """``raw`` as a valid ``schema``, or ``InvalidRequest`` naming the param (see the module docstring)."""
+    data = strict_json(raw)
+    try:
+        body = schema.model_validate(data)
+    except ValidationError as e:
+        raise invalid_request(e.errors()) from None
+    body.check()
+    return body
+
+
+def strict_json(raw: bytes) -> dict:
+    """A JSON object whose every number is finite and every string valid Unicode; ``InvalidRequest`` otherwise."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"The request body is not valid UTF-8 (byte {e.start}).") from None
+    non_finite = []
+
+    def number(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            non_finite.append(literal)
+        return value
+
+    try:
+        data = json.loads(text, parse_float=number, parse_constant=number)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"The request body is not valid JSON: {e.msg} (at character {e.pos}).") from None
+    except RecursionError:
+        raise InvalidRequest("The request body is not valid JSON: it is nested too deeply.") from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise InvalidRequest(f"The request body is not valid JSON: {e}.") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    if non_finite or _SURROGATE_ESCAPE.search(raw):
+        _refuse_invalid_leaf(data)
+    return data
+
+
+def _refuse_invalid_leaf(data: dict) -> None:
+    """Raise ``InvalidRequest`` for the first non-finite number or invalid string (value or key) in ``data``."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequest(f"Invalid value for '{param_name(path)}': numbers must be finite "
+                                 "(no NaN, Infinity, or values beyond the range of a double).", param=param_name(path))
+        if isinstance(value, str) and _SURROGATE.search(value):
+            raise InvalidRequest(f"Invalid value for '{param_name(path)}': the string is not valid Unicode "
+                                 "(it holds a lone UTF-16 surrogate).", param=param_name(path))
+        if isinstance(value, dict):
+            for key in value:
+                if _SURROGATE.search(key):
+                    where = f"a key of '{param_name(path)}'" if path else "a key of the request body"
+                    raise InvalidRequest(f"Invalid name: {where} is not valid Unicode (it holds a lone UTF-16 "
+                                         "surrogate).", param=param_name(path) or None)
+            stack += [((*path, k), v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [((*path, i), v) for i, v in reversed(list(enumerate(value)))]
+
+
+def param_name(loc: tuple[str | int, ...] | list[str | int]) -> str:
+    """A field's path as OpenAI-style ``param``: ``messages.[0].content``."""
+    return ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc)
+
+
+def invalid_request(errors: list[Any]) -> InvalidRequest:
+    """The first pydantic validation error as a 400 whose ``param`` names the field."""
+    first = dict(errors[0]) if errors else {}
+    loc = list(first.get("loc", ()))
+    if not loc:
+        return InvalidRequest("The request body must be a JSON object.")
+    param = param_name(loc)
+    if first.get("type") == "missing":
+        return InvalidRequest(f"Missing required parameter: '{param}'.", param=param)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return InvalidRequest(f"Invalid value for '{param}': {msg}", param=param)
 
 
 def _stop_tuple(value: object) -> tuple[str, ...]:
@@ -88,26 +164,42 @@ Prompt = Annotated[str | list[int], BeforeValidator(_one_prompt)]
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool | None = False
 
 
 class GenerateBody(BaseModel):
-    """Fields both endpoints share. ``None`` always means "the default"."""
+    """Fields both endpoints share. ``None`` always means "the default".
 
-    model_config = ConfigDict(extra="allow")
+    Fields we know but do not implement are typed too, and ``check()`` accepts only the values in
+    ``NEUTRAL`` for them (those that mean "off").
+    """
+
+    model_config = STRICT
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+        "logit_bias": (None, {}), "min_tokens": (None, 0), "best_of": (None, 1),
+    }
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # extension; 0 or -1 means off
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # int64, as vLLM
+    temperature: Number | None = Field(None, ge=0)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)  # extension; 0 or -1 means off
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)  # int64, as vLLM
     stop: Stop = ()
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension
     user: str | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None  # extension
+    logit_bias: dict[str, Number] | None = None
+    min_tokens: int | None = None  # extension
+    best_of: int | None = None
 
     def check(self) -> None:
         """Reject, as ``InvalidRequest``, what parses but cannot be served."""
@@ -115,8 +207,8 @@ class GenerateBody(BaseModel):
             raise InvalidRequest("Only n=1 is supported.", param="n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true.", param="stream_options")
-        for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
+        for name, neutral in self.NEUTRAL.items():
+            if getattr(self, name) not in neutral:
                 raise InvalidRequest(f"'{name}' is not supported by this server.", param=name)
 
     @property
@@ -141,10 +233,11 @@ class GenerateBody(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: accepted, not used
+    model_config = STRICT  # tool_call_id, ...: accepted, not used
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: TextContent = ""
+    name: str | None = None
 
     def for_template(self) -> dict[str, str]:
         """The message as a chat template expects it; ``developer`` is the newer name for ``system``."""
@@ -152,8 +245,21 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerateBody):
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = GenerateBody.NEUTRAL | {
+        "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+        "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+        "response_format": (None, {"type": "text"}),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -162,4 +268,10 @@ class ChatCompletionRequest(GenerateBody):
 
 
 class CompletionRequest(GenerateBody):
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = GenerateBody.NEUTRAL | {
+        "logprobs": (None, 0), "echo": (None, False), "suffix": (None, "")}
+
     prompt: Prompt
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None

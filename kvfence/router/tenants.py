@@ -8,14 +8,20 @@ A tenants file maps each tenant to its API keys::
     [tenants.bob]
     api_keys = ["sk-bob"]
 
-    [admin]                    # optional: keys for the /admin API
+    [admin]                    # optional: keys for the /admin API, /health's detail and /metrics
     api_keys = ["sk-admin-1"]
+
+    [metrics]                  # optional: keys that may only scrape /metrics
+    api_keys = ["sk-prometheus"]
 
 Keys are kept only as SHA-256 digests and looked up by digest, so a lookup's
 timing says nothing about how much of a guessed key was right. A key never
-appears in an error message or a log line; an admin key is named in logs by
-its digest's first hex digits (``admin-1a2b3c4d``). Admin keys are not
-tenants: they cannot generate, and tenant keys cannot administer.
+appears in an error message or a log line; an admin or metrics key is named in
+logs by its digest's first hex digits (``admin-1a2b3c4d``). Each key has one
+kind: admin keys are not tenants (they cannot generate), tenant keys cannot
+administer, and metrics keys can do nothing else. Every refusal says why in
+``reason`` (``missing_key``, ``unknown_key``, ``wrong_key_kind``), for the
+count of failed logins.
 """
 
 from __future__ import annotations
@@ -25,15 +31,26 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from kvfence.core import AuthenticationError, KvfenceError
 
 OPEN_TENANT = "default"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # tenant names go into log lines: keep them plain
+Kind = Literal["tenant", "admin", "metrics"]
+_SECTIONS: tuple[Kind, ...] = ("admin", "metrics")  # optional tables beside [tenants.NAME]
 
 
 class TenantConfigError(ValueError):
     """The tenants file is malformed; raised at load time, never per request."""
+
+
+class MissingKey(AuthenticationError):
+    reason = "missing_key"
+
+
+class UnknownKey(AuthenticationError):
+    reason = "unknown_key"
 
 
 class PermissionDenied(KvfenceError):
@@ -42,6 +59,7 @@ class PermissionDenied(KvfenceError):
     status = 403
     type = "permission_error"
     code = "permission_denied"
+    reason = "wrong_key_kind"
 
 
 _MISSING_KEY = ("Missing API key. Send it in an Authorization header using Bearer auth "
@@ -53,18 +71,21 @@ def _digest(key: str) -> bytes:
 
 
 class Tenants:
-    """Authenticates an ``Authorization`` header to a tenant name, or to an admin.
+    """Authenticates an ``Authorization`` header to a tenant name, an admin, or a metrics reader.
 
-    Built with ``from_toml`` (keys required) or ``open`` (one tenant,
-    ``default``, that accepts any key or none, and no admin).
+    Built with ``from_toml`` (keys required) or ``open`` (one tenant, ``default``, that accepts any key or none,
+    and no admin).
     """
 
-    def __init__(self, keys: Mapping[str, list[str]] | None, admin_keys: list[str] | None = None) -> None:
-        """``keys`` maps tenant name to its API keys (``None``: open mode); ``admin_keys`` may use /admin."""
+    def __init__(self, keys: Mapping[str, list[str]] | None, admin_keys: list[str] | None = None,
+                 metrics_keys: list[str] | None = None) -> None:
+        """``keys`` maps tenant name to its API keys (``None``: open mode); ``admin_keys`` may use /admin,
+        ``metrics_keys`` may only read /metrics."""
         self._open = keys is None
         self.names: tuple[str, ...] = (OPEN_TENANT,) if keys is None else tuple(keys)
-        self._by_digest: dict[bytes, str] = {} if keys is None else _index(keys)
-        self._admins: dict[bytes, str] = _admin_index(admin_keys, self._by_digest)
+        self._by_digest: dict[bytes, tuple[Kind, str]] = {} if keys is None else _index(keys)
+        for kind, section_keys in (("admin", admin_keys), ("metrics", metrics_keys)):
+            _add_section(self._by_digest, kind, section_keys)
 
     @classmethod
     def open(cls) -> Tenants:
@@ -73,7 +94,7 @@ class Tenants:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Tenants:
-        """Load ``[tenants.NAME] api_keys = [...]`` and ``[admin] api_keys = [...]``.
+        """Load ``[tenants.NAME] api_keys = [...]`` and the optional ``[admin]`` and ``[metrics]`` tables.
 
         Raises ``TenantConfigError`` on any mistake.
         """
@@ -89,43 +110,66 @@ class Tenants:
     def is_open(self) -> bool:
         return self._open
 
+    @property
+    def has_admins(self) -> bool:
+        return any(kind == "admin" for kind, _ in self._by_digest.values())
+
     def authenticate(self, authorization: str | None) -> str:
         """Return the tenant owning the header's bearer key.
 
-        Raises ``AuthenticationError`` (401) for a missing or unknown key, ``PermissionDenied`` (403) for an
-        admin key.
+        Raises ``MissingKey`` or ``UnknownKey`` (401), ``PermissionDenied`` (403) for a key of another kind.
         """
         if self._open:
             return OPEN_TENANT
-        digest = _digest(_required_key(authorization))
-        tenant = self._by_digest.get(digest)
-        if tenant is not None:
-            return tenant
-        if digest in self._admins:
-            raise PermissionDenied("An admin key cannot be used for generation; use a tenant's API key.")
-        raise AuthenticationError("Incorrect API key provided.")
+        return self.authenticate_as(authorization, "tenant")
 
     def authenticate_admin(self, authorization: str | None) -> str:
         """Return the name of the admin owning the header's bearer key (``admin-`` and a digest prefix).
 
-        Raises ``AuthenticationError`` (401) for a missing or unknown key, ``PermissionDenied`` (403) for a
-        tenant's key.
+        Raises ``MissingKey`` or ``UnknownKey`` (401), ``PermissionDenied`` (403) for a key of another kind.
         """
-        digest = _digest(_required_key(authorization))
-        admin = self._admins.get(digest)
-        if admin is not None:
-            return admin
-        if digest in self._by_digest:
-            raise PermissionDenied("This API key belongs to a tenant; the admin API needs an admin key.")
-        if not self._admins:
-            raise AuthenticationError("The admin API is off: the tenants file has no [admin] api_keys.")
-        raise AuthenticationError("Incorrect API key provided.")
+        try:
+            return self.authenticate_as(authorization, "admin")
+        except UnknownKey:
+            if self.has_admins:
+                raise
+            raise UnknownKey("The admin API is off: the tenants file has no [admin] api_keys.") from None
+
+    def authenticate_metrics(self, authorization: str | None) -> str:
+        """The admin or metrics reader owning the header's key; errors as ``authenticate_admin``."""
+        kind, name = self.identify(authorization)
+        if kind == "tenant":
+            raise PermissionDenied("This API key belongs to a tenant; /metrics needs an admin or metrics key.")
+        return name
+
+    def authenticate_as(self, authorization: str | None, wanted: Kind) -> str:
+        """The name owning the header's key, which must be of kind ``wanted``."""
+        kind, name = self.identify(authorization)
+        if kind != wanted:
+            raise PermissionDenied(_wrong_kind_message(kind, wanted))
+        return name
+
+    def identify(self, authorization: str | None) -> tuple[Kind, str]:
+        """(kind, name) of the header's bearer key; ``MissingKey`` or ``UnknownKey`` (401) otherwise."""
+        found = self._by_digest.get(_digest(_required_key(authorization)))
+        if found is None:
+            raise UnknownKey("Incorrect API key provided.")
+        return found
+
+
+def _wrong_kind_message(kind: Kind, wanted: Kind) -> str:
+    article = "An" if kind == "admin" else "A"
+    if wanted == "tenant":
+        return f"{article} {kind} key cannot be used for generation; use a tenant's API key."
+    if kind == "tenant":
+        return "This API key belongs to a tenant; the admin API needs an admin key."
+    return f"This is a {kind} key; the admin API needs an admin key."
 
 
 def _required_key(authorization: str | None) -> str:
     key = bearer_key(authorization)
     if key is None:
-        raise AuthenticationError(_MISSING_KEY)
+        raise MissingKey(_MISSING_KEY)
     return key
 
 
@@ -140,12 +184,13 @@ def bearer_key(authorization: str | None) -> str | None:
     return key
 
 
-def _parse(data: dict) -> tuple[dict[str, list[str]], list[str] | None]:
-    """The file's structure: [tenants.NAME] tables and an optional [admin] table, each holding only api_keys."""
-    unknown = set(data) - {"tenants", "admin"}
+def _parse(data: dict) -> tuple[dict[str, list[str]], list[str] | None, list[str] | None]:
+    """The file's structure: [tenants.NAME] tables and optional [admin] and [metrics] tables, each holding only
+    api_keys. Returns (tenant keys, admin keys, metrics keys)."""
+    unknown = set(data) - {"tenants", *_SECTIONS}
     if unknown:
         raise TenantConfigError(f"unknown top-level keys {sorted(unknown)}; expected [tenants.NAME] tables and "
-                                "an optional [admin] table")
+                                "optional [admin] and [metrics] tables")
     tenants = data.get("tenants", {})
     if not isinstance(tenants, dict):
         raise TenantConfigError("'tenants' must be a table of [tenants.NAME] tables")
@@ -154,12 +199,16 @@ def _parse(data: dict) -> tuple[dict[str, list[str]], list[str] | None]:
         if not isinstance(table, dict) or set(table) != {"api_keys"}:
             raise TenantConfigError(f"tenant {name!r}: expected a table [tenants.{name}] with only api_keys")
         parsed[name] = table["api_keys"]
-    if "admin" not in data:
-        return parsed, None
-    admin = data["admin"]
-    if not isinstance(admin, dict) or set(admin) != {"api_keys"}:
-        raise TenantConfigError("expected an [admin] table with only api_keys")
-    return parsed, admin["api_keys"]
+    return parsed, _section(data, "admin"), _section(data, "metrics")
+
+
+def _section(data: dict, kind: Kind) -> list[str] | None:
+    if kind not in data:
+        return None
+    table = data[kind]
+    if not isinstance(table, dict) or set(table) != {"api_keys"}:
+        raise TenantConfigError(f"expected an [{kind}] table with only api_keys")
+    return table["api_keys"]
 
 
 def _check(tenant: str, keys: object) -> None:
@@ -176,41 +225,38 @@ def _check_keys(owner: str, keys: object) -> None:
             raise TenantConfigError(f"{owner}: api_keys[{i}] must be a non-empty string without spaces")
 
 
-def _index(keys: Mapping[str, list[str]]) -> dict[bytes, str]:
-    """Digest -> tenant, after checking names and keys.
+def _index(keys: Mapping[str, list[str]]) -> dict[bytes, tuple[Kind, str]]:
+    """Digest -> ("tenant", tenant), after checking names and keys.
 
     A key listed twice (under one tenant or two) is a load error, never a silent pick.
     """
     if not keys:
         raise TenantConfigError("no tenants defined; expected [tenants.NAME] tables with api_keys")
-    index: dict[bytes, str] = {}
+    index: dict[bytes, tuple[Kind, str]] = {}
     for tenant, tenant_keys in keys.items():
         _check(tenant, tenant_keys)
         for i, key in enumerate(tenant_keys):
             d = _digest(key)
             if d in index:
                 raise TenantConfigError(
-                    f"api_keys[{i}] of tenant {tenant!r} is already a key of tenant {index[d]!r}; "
+                    f"api_keys[{i}] of tenant {tenant!r} is already a key of tenant {index[d][1]!r}; "
                     "each API key must belong to exactly one tenant"
                 )
-            index[d] = tenant
+            index[d] = ("tenant", tenant)
     return index
 
 
-def _admin_index(keys: list[str] | None, tenant_index: Mapping[bytes, str]) -> dict[bytes, str]:
-    """Digest -> admin name (``admin-`` and 8 hex digits of the digest); no key may also be a tenant's.
-
-    ``None`` means no admin; an empty list is a mistake.
-    """
+def _add_section(index: dict[bytes, tuple[Kind, str]], kind: Kind, keys: list[str] | None) -> None:
+    """Add ``[kind]`` keys to ``index``, each named ``kind-`` and 8 hex digits of its digest; no key may already
+    be another's. ``None`` means no such section; an empty list is a mistake."""
     if keys is None:
-        return {}
-    _check_keys("[admin]", keys)
-    index: dict[bytes, str] = {}
+        return
+    _check_keys(f"[{kind}]", keys)
     for i, key in enumerate(keys):
         d = _digest(key)
-        if d in tenant_index or d in index:
-            owner = f"tenant {tenant_index[d]!r}" if d in tenant_index else "[admin]"
-            raise TenantConfigError(f"[admin] api_keys[{i}] is already a key of {owner}; "
-                                    "each API key must belong to exactly one tenant or admin")
-        index[d] = f"admin-{d.hex()[:8]}"
-    return index
+        if d in index:
+            owner_kind, owner = index[d]
+            owner = f"tenant {owner!r}" if owner_kind == "tenant" else f"[{owner_kind}]"
+            raise TenantConfigError(f"[{kind}] api_keys[{i}] is already a key of {owner}; "
+                                    "each API key must belong to exactly one tenant, admin or metrics reader")
+        index[d] = (kind, f"{kind}-{d.hex()[:8]}")

@@ -212,6 +212,9 @@ def server_nodes(url: str, key: str | None, timeout: float, page_size: int,
     """
     url = url.rstrip("/")
     _, health = fetch_json(url + "/health", key, timeout)
+    if health in ({"status": "ok"}, {"status": "unavailable"}):  # kvfence's answer without an admin key
+        raise UsageError(f"{url}/health shows no detail to this key: a kvfence server with a tenants file shows it "
+                         "only to an admin key; pass one with --key")
     try:
         if isinstance(health, dict) and "mode" in health:
             source = f"kvfence ({health['mode']}, status {health.get('status')!r}) at {url}"

@@ -478,6 +478,7 @@ class Settings:
     max_tokens: int
     victim_tokens: int | None
     seed: int | None
+    admin_key: str | None = None  # reads the KV pools from a kvfence /health that shows them only to admins
 
 
 class Prober:
@@ -541,8 +542,8 @@ class Prober:
             self.model = cards[0]["id"]
         health = await self.get_json("/health")
         try:
-            _, nodes = await asyncio.to_thread(server_nodes, self.s.url, self.s.tenants[0].key, self.s.timeout, 1,
-                                            self.s.max_context)
+            key = self.s.admin_key or self.s.tenants[0].key
+            _, nodes = await asyncio.to_thread(server_nodes, self.s.url, key, self.s.timeout, 1, self.s.max_context)
         except UsageError:
             nodes = []
         limits, notes = learn_limits(self.s.max_context, models, health, [(n.role, n.pool_tokens) for n in nodes])
@@ -758,6 +759,8 @@ def add_probe_parser(sub) -> None:
     p.add_argument("--victim-tokens", type=_positive(int), default=None, metavar="N",
                    help="longest victim prompt (default: filling the smallest limit learned)")
     p.add_argument("--seed", type=int, default=None, help="seed for the canary codes (default: fresh)")
+    p.add_argument("--admin-key", default=None, help="an admin key, to learn the KV pools of a kvfence server with "
+                                                     "a tenants file (its /health shows them only to admins)")
     p.set_defaults(func=cmd_probe)
 
 
@@ -766,7 +769,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise UsageError("give at least two --key values: canary tenants first, the attacker last")
     tenants = [Tenant(f"key{i + 1}", key) for i, key in enumerate(args.key)]
     return Settings(args.url.rstrip("/"), tenants, args.model, args.max_context, args.requests, args.time_limit,
-                    args.concurrency, args.timeout, args.max_tokens, args.victim_tokens, args.seed)
+                    args.concurrency, args.timeout, args.max_tokens, args.victim_tokens, args.seed, args.admin_key)
 
 
 async def probe(settings: Settings) -> Report:

@@ -54,6 +54,8 @@ if TYPE_CHECKING:  # imported where used: 'kvfence serve' needs no HTTP client
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 DEFAULT_FAULTS = "drop=0.002,dup=0.005,delay=0.01,delay_s=0.5,flip=0.02"
 PAD_TOKEN = 42  # token id that fills over-length prompts (every vocabulary has it)
+ADMIN_KEY = "sk-soak-admin"  # reads /health's detail (worker pids) and /metrics
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @dataclass(frozen=True)
@@ -280,9 +282,11 @@ class LocalServer:
         models = httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
         return models.json()["data"][0]["id"]
 
-    def health(self) -> dict:
+    def health(self, key: str | None = None) -> dict:
+        """/health; with a tenants file, only an admin ``key`` gets its detail."""
         import httpx
-        return httpx.get(self.url + "/health", timeout=10).json()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(self.url + "/health", headers=headers, timeout=10).json()
 
     def output(self) -> str:
         self.log.flush()
@@ -310,7 +314,8 @@ class Soak:
         self.tenants = [f"tenant{i + 1}" for i in range(s.tenants)]
         self.keys = {t: f"sk-soak-{t}" for t in self.tenants}
         (workdir / "tenants.toml").write_text("".join(f'[tenants.{t}]\napi_keys = ["{k}"]\n\n'
-                                                      for t, k in self.keys.items()))
+                                                      for t, k in self.keys.items())
+                                              + f'[admin]\napi_keys = ["{ADMIN_KEY}"]\n')
         self.prompts = make_prompts(self.tenants, self.rng, s.max_context, s.max_tokens)
         self.over = over_length_prompts(s.max_context, s.max_tokens)
         self.reference: dict[str, str] = {}
@@ -423,10 +428,10 @@ class Soak:
             while len(outcomes) < (k + 1) * total // (self.s.kills + 1):
                 await asyncio.sleep(0.05)
             role = ("prefill", "decode")[k % 2]
-            health, deadline = (await client.get("/health")).json(), time.monotonic() + 2
+            health, deadline = (await client.get("/health", headers=ADMIN)).json(), time.monotonic() + 2
             while not health.get("transfers_in_flight") and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-                health = (await client.get("/health")).json()
+                health = (await client.get("/health", headers=ADMIN)).json()
             victims = [(w, i["pid"]) for w, i in health["workers"].items() if i["role"] == role]
             if not victims:  # none up at this moment (one died of a fault): pick the next kind
                 continue
@@ -439,7 +444,7 @@ class Soak:
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
-                health = (await client.get("/health")).json()
+                health = (await client.get("/health", headers=ADMIN)).json()
                 back = health["workers"].get(worker, {}).get("pid") not in (None, pid)
                 if back and health["status"] == "ok":
                     break
@@ -492,7 +497,7 @@ class Soak:
         """Once idle, no worker holds a page; every quarantined page has a reason."""
         deadline = time.monotonic() + 4 * self.s.handoff_timeout + 30
         while True:
-            health = server.health()
+            health = server.health(ADMIN_KEY)
             busy = {w: i for w, i in health.get("workers", {}).items()
                     if i["total_pages"] - i["free_pages"] - i["quarantined_pages"]}
             if not health.get("in_flight") and not busy and health.get("status") == "ok":
@@ -514,7 +519,7 @@ class Soak:
                                        f"{sum(reasons.values())} with a reason")
 
     def worker_pids(self, server: LocalServer) -> dict[str, int]:
-        return {w: i["pid"] for w, i in server.health().get("workers", {}).items()}
+        return {w: i["pid"] for w, i in server.health(ADMIN_KEY).get("workers", {}).items()}
 
     def check_restarts(self, before: dict[str, int], after: dict[str, int]) -> None:
         """Each worker's pid changes once per kill of it; more changes mean a crash (e.g. a failed integrity check)."""
@@ -567,7 +572,7 @@ class Soak:
 
 def verification_failures(server: LocalServer) -> dict[str, float]:
     import httpx
-    text = httpx.get(server.url + "/metrics", timeout=10).text
+    text = httpx.get(server.url + "/metrics", headers=ADMIN, timeout=10).text
     found = re.findall(r'^kvfence_kv_verification_failures_total\{layer="(\w+)"\} ([\d.e+]+)$', text, re.M)
     return {layer: float(n) for layer, n in found}
 
