@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import tempfile
 from pathlib import Path
 
 import openai
@@ -18,20 +19,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+TENANT_KEY, ADMIN_KEY = "sk-tester", "sk-test-admin"
+
+
 class Server(LocalServer):
-    """``kvfence serve ARGS`` on a free port; ``stop`` (or the context manager) ends it and its workers."""
+    """``kvfence serve ARGS`` on a free port; ``stop`` (or the context manager) ends it and its workers.
+
+    With ``admin=True`` it serves one tenant (``TENANT_KEY``, the clients' default key) and an admin
+    (``ADMIN_KEY``, which ``health`` uses, so it returns the detail).
+    """
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 120,
-                 wait_ready: bool = True) -> None:
+                 wait_ready: bool = True, admin: bool = False) -> None:
+        self.key, self.admin_key = (TENANT_KEY, ADMIN_KEY) if admin else ("none", None)
+        if admin:
+            self.tenants_file = tempfile.NamedTemporaryFile("w", suffix=".toml", prefix="kvfence-tenants-")
+            self.tenants_file.write(f'[tenants.tester]\napi_keys = ["{TENANT_KEY}"]\n\n'
+                                    f'[admin]\napi_keys = ["{ADMIN_KEY}"]\n')
+            self.tenants_file.flush()
+            args = (*args, "--tenants", self.tenants_file.name)
         super().__init__(list(args), env, cwd=ROOT)
         if wait_ready:
             self.wait_ready(ready_timeout)
 
-    def client(self, key: str = "none", **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+    def health(self, key: str | None = None) -> dict:
+        return super().health(key or self.admin_key)
 
-    def async_client(self, key: str = "none", **kw) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+    def client(self, key: str | None = None, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key, max_retries=0, **kw)
+
+    def async_client(self, key: str | None = None, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key or self.key, max_retries=0, **kw)
 
     def __enter__(self) -> Server:
         return self

@@ -62,7 +62,7 @@ def test_prompt_up_to_the_full_context(model):
 
 @pytest.fixture(scope="module")
 def four_workers(model):
-    with Server("--model", model, "--prefill", "2", "--decode", "2", *COMMON) as server:
+    with Server("--model", model, "--prefill", "2", "--decode", "2", *COMMON, admin=True) as server:
         deadline = time.monotonic() + 60
         while len(server.health()["workers"]) < 4 and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -1,13 +1,13 @@
 """Least exposure: who may learn what, and the record of every refused key.
 
-Rules (with a tenants file; without one there are no keys, and everything below is open to whoever reaches the
-server, which listens on 127.0.0.1 by default):
+Rules:
 
 - ``/health`` answers only whether the server is ready (``{"status": "ok"}`` 200, or ``{"status":
   "unavailable"}`` 503) unless the request carries an admin key; then it adds the detail (mode, workers, pids,
   addresses, in-flight figures, safety switches). A tenant's or metrics reader's key gets the short answer, an
-  unknown key 401.
-- ``/metrics`` needs an admin or ``[metrics]`` key: 401 without a valid key, 403 with a tenant's.
+  unknown key 401. Without a tenants file there is no admin key, so no caller sees the detail.
+- ``/metrics`` needs an admin or ``[metrics]`` key: 401 without a valid key, 403 with a tenant's. Without a
+  tenants file (one open tenant, listening on 127.0.0.1 by default) it is open, like the API itself.
 - Error bodies never carry an internal address: ``redact`` replaces ZeroMQ endpoints (``tcp://10.0.0.5:5551``)
   and IP addresses with ``<internal address>`` in every error sent to a client. Logs and the audit log keep them.
 - Every 401 and 403 counts in ``kvfence_auth_failures_total{reason}`` and is logged, at most one line per client
@@ -109,10 +109,10 @@ class Gate:
             self._checked(http, self.tenants.authenticate_metrics)
 
     def sees_detail(self, http: Request) -> bool:
-        """Whether ``/health`` may show its detail: in open mode, or to an admin key. No bearer key, or one of
-        another kind: ``False``; an unknown key: 401."""
+        """Whether ``/health`` may show its detail: only to an admin key (so never in open mode). No bearer key, or
+        one of another kind: ``False``; an unknown key: 401."""
         if self.tenants.is_open:
-            return True
+            return False
         if bearer_key(http.headers.get("authorization")) is None:
             return False
         kind, _ = self._checked(http, self.tenants.identify)
