@@ -23,7 +23,7 @@ import pytest
 
 from kvfence.core import Request, RequestOutput, SamplingParams, ServiceUnavailable
 from kvfence.protocol.router import RouterCore
-from kvfence.router.app import create_app
+from kvfence.router.app import _error_response, create_app
 from kvfence.router.exposure import FailedLogins, redact
 from kvfence.router.fair import FairPool, TooManyRequests
 from kvfence.router.limits import EdgeLimits, default_max_request_bytes
@@ -465,8 +465,11 @@ async def test_fair_pool_bounds_pending_work_per_tenant_and_withdraws_cancelled_
     first = asyncio.create_task(pool.run("a", 60_000, lambda: gate.wait(5)))
     waiting = asyncio.create_task(pool.run("a", 20_000, lambda: "ran"))
     await asyncio.sleep(0.05)
-    with pytest.raises(TooManyRequests):
+    with pytest.raises(TooManyRequests) as refused:
         await pool.run("a", 30_000, lambda: None)  # 60k + 20k + 30k > 100k
+    answer = _error_response(refused.value)
+    assert answer.status_code == 429 and answer.headers["retry-after"] == "1"
+    assert json.loads(answer.body)["error"]["code"] == "rate_limit_exceeded"
     other = asyncio.create_task(pool.run("b", 10**9, lambda: "b ok"))  # nothing pending: always admitted
     waiting.cancel()
     await asyncio.sleep(0.05)

@@ -30,11 +30,12 @@ THREADS = 2
 
 
 class TooManyRequests(KvfenceError):
-    """429 in OpenAI's shape (``type`` and ``code`` as OpenAI's own rate limits)."""
+    """429 in OpenAI's shape (``type`` and ``code`` as OpenAI's own rate limits), with ``Retry-After``."""
 
     status = 429
     type = "requests"
     code = "rate_limit_exceeded"
+    headers = {"Retry-After": "1"}
 
 
 @dataclass(eq=False)
