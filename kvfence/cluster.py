@@ -160,9 +160,16 @@ def _parse(raw: bytes, path: Path) -> bytes:
 
 
 def key_from(path: str | None) -> ClusterKey | None:
-    """The key named by ``path``, else by ``$KVFENCE_CLUSTER_KEY``, else None."""
+    """The key named by ``path`` (``--cluster-key``), else by ``$KVFENCE_CLUSTER_KEY``, else None; an error says
+    which of the two named the file."""
+    origin = FLAG if path else f"${ENV}"
     path = path or os.environ.get(ENV) or None
-    return None if path is None else ClusterKey.load(path)
+    if path is None:
+        return None
+    try:
+        return ClusterKey.load(path)
+    except ClusterKeyError as e:
+        raise ClusterKeyError(f"{e} (named by {origin})") from None
 
 
 # -- where a key is required
