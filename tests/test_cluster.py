@@ -11,11 +11,13 @@ import asyncio
 import logging
 import os
 import pickle
+import signal
 import stat
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -350,3 +352,63 @@ def test_forged_hello_done_output_and_reject_from_outsiders_have_no_effect():
         router.close()
         prefill.close()
         decode.close()
+
+
+# ---------------------------------------------------------------------------- real worker processes
+
+
+def start_worker(role: str, router: str, log: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    from tests.tiny_models import tiny_model_dir
+
+    args = [role, "--router", router, "--bind", free_tcp_address(), "--transfer", "shm", "--model",
+            str(tiny_model_dir("llama")), "--max-context", "4096", "--kv-pool-tokens", "16384", *extra]
+    return subprocess.Popen([sys.executable, "-m", "kvfence.cli", *args], cwd=ROOT, start_new_session=True,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            env={**{k: v for k, v in os.environ.items() if k != "KVFENCE_CLUSTER_KEY"}, **(env or {})})
+
+
+def test_rogue_worker_processes_never_join_and_receive_no_prompt(tmp_path, caplog):
+    """Real ``kvfence prefill``/``decode`` processes: members with the key join and serve; a prefill worker with no
+    key and a decode worker with another cluster's key start, keep trying, say why they cannot join, and are never
+    listed, paired or sent anything. The router logs the refusals."""
+    key_file, other_file = tmp_path / "cluster.key", tmp_path / "other.key"
+    ClusterKey.generate().write(key_file)
+    ClusterKey.generate().write(other_file)
+    caplog.set_level(logging.WARNING, logger="kvfence.workers.channel")
+    router = Router(ClusterKey.load(key_file))
+    logs = {name: tmp_path / f"{name}.log" for name in ("prefill", "decode", "keyless", "stranger")}
+    procs = {
+        "prefill": start_worker("prefill", router.address, logs["prefill"], "--cluster-key", str(key_file)),
+        "decode": start_worker("decode", router.address, logs["decode"], env={"KVFENCE_CLUSTER_KEY": str(key_file)}),
+        "keyless": start_worker("prefill", router.address, logs["keyless"]),
+        "stranger": start_worker("decode", router.address, logs["stranger"], "--cluster-key", str(other_file)),
+    }
+    try:
+        def ready(name: str) -> bool:
+            assert procs[name].poll() is None, logs[name].read_text()[-3000:]
+            return "worker" in logs[name].read_text() and " ready " in logs[name].read_text()
+
+        wait_for(lambda: all(ready(name) for name in procs), 120, "every worker process to start")
+        wait_for(lambda: len(router.workers()) == 2, 30, "the members to join")
+        time.sleep(2)  # the rogues' heartbeats keep knocking
+        for i in range(3):
+            ids, text, error = router.submit([100 + i, 200, 300 + i])[1].result(60)
+            assert error is None and len(ids) == 8, error
+        members = router.workers()
+        assert len(members) == 2
+        assert set(router.call(lambda: dict(router.engine.assigned))) == members
+        assert all(procs[name].poll() is None for name in procs)  # the rogues are still up, still refused
+        assert "one side has no cluster key" in logs["keyless"].read_text()
+        assert "cannot join the router" in logs["stranger"].read_text()
+        refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert any("different cluster keys" in m for m in refusals), refusals  # the stranger
+        assert any("no cluster key" in m or "broke off" in m for m in refusals), refusals  # the keyless one
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        router.close()

@@ -218,12 +218,12 @@ class HandshakeWatch:
                 if self.what == "inbox":
                     continue  # the Gate logged it, with the peer's address
             else:
-                why = _WHY.get(value, "the peer dropped the handshake: another cluster's key, or none")
+                why = _WHY.get(value, "the handshake broke off (a peer without the key, or with another cluster's)")
             if self.what == "inbox":
                 self.throttle.warn(str(value), "control plane: refused a connection to %s: %s", endpoint, why)
             else:
-                self.throttle.warn(str(value), "control plane: cannot reach the %s at %s: %s (is %s the same "
-                                   "--cluster-key?)", self.what, endpoint, why, self.what)
+                self.throttle.warn(str(value), "control plane: cannot join the %s at %s: %s; every process of a "
+                                   "cluster needs the same --cluster-key", self.what, endpoint, why)
 
     def close(self) -> None:
         self.sock.disable_monitor()
