@@ -638,3 +638,42 @@ def test_tcp_sealed_record_tampered_on_the_wire_lands_nothing():
     assert target.digest() == before
     tap.close()
     target.close()
+
+
+# ---------------------------------------------------------------------------- shm: who may map a segment
+
+
+def test_shm_segments_are_private_to_this_user_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        target = shm.Target(PAGE, dir=str(tmp_path))
+    finally:
+        os.umask(old)
+    st = os.stat(target.path)
+    assert (st.st_mode & 0o777, st.st_uid) == (0o600, os.geteuid())
+    target.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's file needs root")
+def test_shm_maps_and_sweeps_only_this_users_private_segments(tmp_path):
+    """A file planted under a segment's name by another user (or left readable by others, or a symlink) is never
+    mapped, so no KV lands in it; and the sweep leaves it alone instead of failing the next target's start."""
+    target = shm.Target(PAGE, dir=str(tmp_path))
+    planted = {name: tmp_path / f"{shm.PREFIX}{name}" for name in ("nobody", "open", "link")}
+    for path in planted.values():
+        if path.name.endswith("link"):
+            path.symlink_to(target.path)
+        else:
+            path.write_bytes(bytes(PAGE))
+    os.chown(planted["nobody"], 65534, 65534)
+    planted["nobody"].chmod(0o666)
+    planted["open"].chmod(0o644)
+    with make_initiator("shm", PAGE) as ini:
+        ini.write(ini.connect(target.descriptor()), [(0, 0, 64)])  # the real segment
+        for path in planted.values():
+            with pytest.raises(TransferError, match="refused"):
+                ini.connect({**target.descriptor(), "path": str(path)})
+    assert shm.sweep_stale(str(tmp_path)) == 0
+    shm.Target(PAGE, dir=str(tmp_path)).close()  # starts despite the planted files
+    assert all(p.is_symlink() or p.read_bytes() == bytes(PAGE) for p in planted.values())
+    target.close()
