@@ -194,7 +194,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     refuse_to_start_unless_fits(args.role, pool, args.page_size, max_context)
     settings = worker_settings(args, args.role, args.bind, args.router, max_context, pool, advertise=args.advertise,
                                key=key)
-    warn_unfenced_data_plane(settings)
     run_worker(settings, supervised=False)
     return 0
 
@@ -228,17 +227,6 @@ def cluster_key_or_exit(args: argparse.Namespace, addresses: dict[str, str | Non
     elif key is not None:
         log.info("cluster %s: control plane authenticated and encrypted (CurveZMQ)", key.fingerprint)
     return key
-
-
-def warn_unfenced_data_plane(settings) -> None:
-    """Mooncake and NIXL authenticate no peer (docs/architecture.md): say so where their ports face a network."""
-    from kvfence.cluster import is_local
-
-    if settings.transfer in ("mooncake", "nixl") and not is_local(settings.bind):
-        log.warning("%s data plane beyond loopback: the engine itself authenticates no peer, so any host that "
-                    "reaches its ports could read or write this worker's KV memory; run it only on a network that "
-                    "only the cluster's hosts reach (or use --transfer tcp, which authenticates and encrypts)",
-                    settings.transfer)
 
 
 def serve_colocated(args: argparse.Namespace) -> int:

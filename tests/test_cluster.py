@@ -412,3 +412,41 @@ def test_rogue_worker_processes_never_join_and_receive_no_prompt(tmp_path, caplo
             except subprocess.TimeoutExpired:
                 p.kill()
         router.close()
+
+
+# ---------------------------------------------------------------------------- what the engines do not fence
+
+
+def test_mooncake_lets_any_process_that_reaches_it_read_and_write_a_limit_kvfence_documents():
+    """Mooncake's engine authenticates no peer: a process that never saw the decode worker's descriptor, only its
+    engine's host:port (which a port scan finds; it listens on every interface), asks the engine for its buffer's
+    address and reads and writes the KV pool. kvfence cannot check this at the target; workers warn at start
+    (``WorkerSettings.data_plane_caveat``) and docs/architecture.md says where Mooncake may run. Should Mooncake
+    learn to refuse, this test fails and the docs must change."""
+    from mooncake.engine import TransferEngine
+
+    from kvfence.transfer.base import Region
+    from kvfence.transfer.harness import TargetProcess
+    from kvfence.workers.settings import WorkerSettings
+
+    target = TargetProcess("mooncake", 1 << 20)
+    rogue, region = TransferEngine(), Region.anonymous(1 << 20)
+    try:
+        target.fill(0x5A)
+        session = target.descriptor["session"]
+        assert rogue.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert rogue.register_memory(region.address, region.nbytes) == 0
+        base = rogue.get_first_buffer_address(session)  # handed out to anyone who asks
+        assert base == target.descriptor["base"]
+        assert rogue.transfer_sync_read(session, region.address, base, 4096) == 0
+        assert bytes(region.buffer[:4096]) == b"\x5a" * 4096
+        region.buffer[:4096] = b"\x66" * 4096
+        assert rogue.transfer_sync_write(session, region.address, base, 4096) == 0
+        assert target.read(0, 4096) == b"\x66" * 4096
+    finally:
+        rogue.unregister_memory(region.address)
+        target.close()
+    for transfer, warned in (("mooncake", True), ("nixl", True), ("tcp", False), ("shm", False)):
+        settings = WorkerSettings("decode", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "m", "bfloat16", "cpu", 64, 64,
+                                  transfer=transfer)
+        assert (settings.data_plane_caveat() is not None) is warned

@@ -128,6 +128,9 @@ class WorkerBase:
         key = self.settings.cluster_key
         log.info("%s worker %s ready (pool %d tokens, transfer %s, %s)", self.role, self.me, self.settings.pool_tokens,
                  self.settings.transfer, f"cluster {key.fingerprint}" if key else "no cluster key: loopback only")
+        caveat = self.settings.data_plane_caveat()
+        if caveat:
+            log.warning(caveat)
         self._latest_hello = self.hello()
         threading.Thread(target=self._heartbeat, name="kvfence-heartbeat", daemon=True).start()
         next_tick = 0.0

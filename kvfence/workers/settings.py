@@ -58,6 +58,15 @@ class WorkerSettings:
             return {"hostname": public or (socket.gethostname() if bind in _WILDCARDS else bind)}
         return {}
 
+    def data_plane_caveat(self) -> str | None:
+        """What this worker's data plane does not fence, for a warning at start (docs/architecture.md)."""
+        if self.transfer not in ("mooncake", "nixl"):
+            return None
+        return (f"{self.transfer} data plane: the engine authenticates no peer and listens on this host's network "
+                "interfaces whatever the control addresses, so any process that reaches its ports (and, for nixl, "
+                "learns this worker's metadata) could read or write this worker's KV memory. Run it only where a "
+                "firewall lets only the cluster's hosts reach them; --transfer tcp authenticates and encrypts")
+
     def _membership(self) -> dict:
         if self.transfer != "tcp" or self.cluster_key is None:
             return {}
