@@ -52,7 +52,12 @@ class Channel:
         self.inbox.setsockopt(zmq.LINGER, 0)
         secure(self.inbox, key, server=True)
         self.watch = HandshakeWatch(self.inbox, "inbox")
-        self.inbox.bind(bind)
+        try:
+            self.inbox.bind(bind)
+        except zmq.ZMQError:
+            self.outboxes = {}
+            self.close()  # the context and the Gate's thread with it
+            raise
         bound = self.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.me = me or bound.replace("0.0.0.0", "127.0.0.1")
         self.outboxes: dict[str, zmq.Socket] = {}
