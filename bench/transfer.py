@@ -11,7 +11,10 @@ round times, in rotating order:
   shm: none (memcpy is its baseline);
 - ``write``: a kvfence ``write`` of one contiguous segment;
 - ``paged``: a kvfence ``write`` of the same bytes as ``--page``-sized segments
-  (default: one 16-token page of SmolLM2-135M in bf16) scattered to permuted pages.
+  (default: one 16-token page of SmolLM2-135M in bf16) scattered to permuted pages;
+- ``sealed`` (tcp only): a kvfence ``write`` of one contiguous segment between cluster
+  members over a sealed connection (AES-256-GCM records, as tcp does beyond loopback),
+  to a second target process: what encrypting KV that crosses hosts costs against ``write``.
 
 The variants interleave finely: a sample's repetitions run in 16 slices, each
 slice running every variant in turn.
@@ -182,6 +185,7 @@ def variants(
     memcpy: tuple[Region, Region],
     raw: Callable[[int], Op] | None,
     page: int,
+    sealed: tuple[KVInitiator, PeerHandle] | None = None,
 ) -> dict[str, Op]:
     paged = paged_segments(size, page, np.random.default_rng(size))
     lists: dict[int, list[tuple[int, int, int]]] = {}  # per offset, built once (outside the later rounds' timing)
@@ -199,11 +203,13 @@ def variants(
     }
     if raw is not None:
         out["raw"] = raw(size)
+    if sealed is not None:
+        out["sealed"] = lambda off: sealed[0].write(sealed[1], [(off, off, size)])
     return out
 
 
-def place(placement: str, target: TargetProcess) -> None:
-    """Pin every thread of this process and of the target for ``placement`` (``free``: any CPU this process may
+def place(placement: str, targets: list[TargetProcess]) -> None:
+    """Pin every thread of this process and of the targets for ``placement`` (``free``: any CPU this process may
     use). With one CPU, ``split`` is ``shared``."""
     mine, theirs = {
         "split": ({CPUS[0]}, {CPUS[1 % len(CPUS)]}),
@@ -211,7 +217,20 @@ def place(placement: str, target: TargetProcess) -> None:
         "free": (set(CPUS), set(CPUS)),
     }[placement]
     pin_threads(os.getpid(), mine)
-    target.pin(theirs)
+    for target in targets:
+        target.pin(theirs)
+
+
+SEALED_SECRET = bytes(32)  # a benchmark's cluster secret
+
+
+def sealed_pair(kind: str) -> tuple[TargetProcess, KVInitiator, PeerHandle] | None:
+    """For tcp: a second target that admits cluster members and seals, and a member initiator connected to it."""
+    if kind != "tcp":
+        return None
+    target = TargetProcess("tcp", WINDOW, secret=SEALED_SECRET, sealed=True)
+    ini = make_initiator("tcp", WINDOW, secret=SEALED_SECRET)
+    return target, ini, ini.connect(target.descriptor)
 
 
 def bench_backend(
@@ -219,15 +238,17 @@ def bench_backend(
 ) -> list[dict]:
     target = TargetProcess(kind, WINDOW)
     ini = make_initiator(kind, WINDOW)
+    sealed = sealed_pair(kind)
+    targets = [target] + ([sealed[0]] if sealed else [])
     try:
         peer = ini.connect(target.descriptor)
         raw_name, raw_factory = RAW.get(kind, (None, None))
         raw = raw_factory(target, ini, peer) if raw_factory else None
-        table = {size: variants(kind, size, ini, peer, memcpy, raw, page) for size in SIZES}
+        table = {size: variants(kind, size, ini, peer, memcpy, raw, page, sealed and sealed[1:]) for size in SIZES}
         samples: dict[tuple[str, str, int, str], list[float]] = {}
         for r in range(rounds + 1):
             for placement in placements:
-                place(placement, target)
+                place(placement, targets)
                 for mode in MODES:
                     for size in SIZES:
                         offs = offsets(mode, size, reps_for(size))
@@ -241,9 +262,12 @@ def bench_backend(
             for size in SIZES
         ]
     finally:
-        place("free", target)
+        place("free", targets)
         ini.close()
         target.close()
+        if sealed:
+            sealed[1].close()
+            sealed[0].close()
 
 
 def row(kind: str, placement: str, mode: str, size: int, raw_name: str | None, page: int, samples: dict) -> dict:
@@ -266,6 +290,9 @@ def row(kind: str, placement: str, mode: str, size: int, raw_name: str | None, p
     if "raw" in med:
         out["write_vs_raw"] = med["write"] / med["raw"]
         out["paged_vs_raw"] = med["paged"] / med["raw"]
+    if "sealed" in med:
+        out["sealed_gbs"] = med["sealed"]
+        out["sealed_vs_write"] = med["sealed"] / med["write"]
     return out
 
 
@@ -294,6 +321,8 @@ def table(rows: list[dict]) -> str:
         "write/raw",
         "paged/memcpy",
         "paged/raw",
+        "sealed",
+        "sealed/write",
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -314,6 +343,8 @@ def table(rows: list[dict]) -> str:
                     pct(r, "write_vs_raw"),
                     pct(r, "paged_vs_memcpy"),
                     pct(r, "paged_vs_raw"),
+                    f"{r['sealed_gbs']:.2f}" if "sealed_gbs" in r else "-",
+                    pct(r, "sealed_vs_write"),
                 ]
             )
             + " |"

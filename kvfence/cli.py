@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from kvfence.cluster import ENV
 from kvfence.config import POOL_DEFAULTS, default_pool_tokens
 from kvfence.tools.audit import non_negative_int, positive_int
 
@@ -59,6 +60,11 @@ def add_timeout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handoff-timeout", type=float, default=30.0, metavar="S",
                    help="seconds each step of a KV handoff may take (pages granted, transfer done) before the "
                         "request ends with 503; the router ends a request that hears nothing for 4x this")
+
+
+def add_cluster_key_arg(p: argparse.ArgumentParser, meaning: str) -> None:
+    p.add_argument("--cluster-key", default=None, metavar="FILE",
+                   help=f"cluster key file from `kvfence cluster-key` (default: ${ENV}): {meaning}")
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
@@ -113,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode", type=positive_int, default=1, help="decode worker processes")
     serve.add_argument("--transfer", choices=TRANSFERS, default="shm", help="KV data plane between the workers")
     serve.add_argument("--emulate-incident", action="store_true", help=argparse.SUPPRESS)  # test-only
+    add_cluster_key_arg(serve, "the deployment's cluster key (default: a fresh one, made in memory at each start)")
     add_http_args(serve)
     add_model_args(serve)
     add_pool_args(serve, per_role=True)
@@ -124,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Serve the OpenAI API and route to workers that connect to --bind.")
     router.add_argument("--bind", default="tcp://0.0.0.0:5550", help="ZeroMQ address workers send to")
     router.add_argument("--advertise", default=None, help="address workers reach the router at (default: --bind)")
+    add_cluster_key_arg(router, "only holders of this key can join (required unless --bind is a loopback address)")
     add_http_args(router)
     add_model_args(router)
     add_timeout_args(router)
@@ -137,12 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--bind", default="tcp://0.0.0.0:5551", help="ZeroMQ address for this worker's inbox")
         w.add_argument("--advertise", default=None, help="address peers reach this worker at, e.g. tcp://HOST:5551")
         w.add_argument("--transfer", choices=TRANSFERS, default="tcp", help="KV data plane")
+        add_cluster_key_arg(w, "the cluster's key, as the router's (required unless every address is loopback)")
         if role == "prefill":
             w.add_argument("--emulate-incident", action="store_true", help=argparse.SUPPRESS)
         add_model_args(w)
         add_pool_args(w, per_role=False)
         add_timeout_args(w)
         w.set_defaults(func=cmd_worker, role=role)
+    key = sub.add_parser("cluster-key", formatter_class=fmt, help="write a new cluster key (multi-host)",
+                         description="Write a new random cluster secret to FILE (mode 0600). Copy it to every host "
+                                     "of the cluster and pass it to router, prefill and decode with --cluster-key.")
+    key.add_argument("file", metavar="FILE")
+    key.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    key.set_defaults(func=cmd_cluster_key)
     from kvfence.verify.cli import add_verify_parser
     add_verify_parser(sub)
     from kvfence.tools.cli import add_audit_parsers
@@ -161,9 +176,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_device(args.device)
     if args.mode == "colocated":
         return serve_colocated(args)
+    from kvfence.cluster import ClusterKey
     from kvfence.tools.audit import refuse_to_start_unless_fits
     from kvfence.workers.supervisor import Supervisor, free_tcp_address
 
+    key = cluster_key_or_exit(args, {}) or ClusterKey.generate()
     name, tokenizer, max_context = describe(args)
     router_addr = free_tcp_address()
     workers = []
@@ -173,13 +190,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pool = role_pool or args.kv_pool_tokens or default_pool_tokens(max_context, role)
         refuse_to_start_unless_fits(role, pool, args.page_size, max_context)
         workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, pool,
-                                    threads=threads, solo_threads=solo[role]) for _ in range(count)]
-    engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers))
+                                    threads=threads, solo_threads=solo[role], key=key) for _ in range(count)]
+    engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers), key)
     supervisor = Supervisor(workers, engine.worker_died)
     supervisor.start()
-    log.info("started %d prefill and %d decode workers (transfer %s, %s threads each%s)", args.prefill, args.decode,
-             args.transfer, threads or "torch's default",
-             "".join(f"; {role} {n} while the other role idles" for role, n in solo.items() if n))
+    log.info("started %d prefill and %d decode workers (transfer %s, %s threads each%s; cluster %s)", args.prefill,
+             args.decode, args.transfer, threads or "torch's default",
+             "".join(f"; {role} {n} while the other role idles" for role, n in solo.items() if n), key.fingerprint)
     try:
         return run_http(args, engine, tokenizer, supervisor)
     finally:
@@ -187,8 +204,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    key = cluster_key_or_exit(args, {"--bind": args.bind, "--advertise": args.advertise})
     name, tokenizer, max_context = describe(args)
-    engine = make_remote_engine(args, args.bind, args.advertise, name, max_context, 0)
+    engine = make_remote_engine(args, args.bind, args.advertise, name, max_context, 0, key)
     return run_http(args, engine, tokenizer, None)
 
 
@@ -197,13 +215,46 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from kvfence.tools.audit import refuse_to_start_unless_fits
     from kvfence.workers.supervisor import run_worker
 
+    key = cluster_key_or_exit(args, {"--router": args.router, "--bind": args.bind, "--advertise": args.advertise})
     check_device(args.device)
     max_context = served_context(args, describe_model(args.model)[1].max_context)
     pool = args.kv_pool_tokens or default_pool_tokens(max_context, args.role)
     refuse_to_start_unless_fits(args.role, pool, args.page_size, max_context)
-    settings = worker_settings(args, args.role, args.bind, args.router, max_context, pool, advertise=args.advertise)
+    settings = worker_settings(args, args.role, args.bind, args.router, max_context, pool, advertise=args.advertise,
+                               key=key)
     run_worker(settings, supervised=False)
     return 0
+
+
+def cmd_cluster_key(args: argparse.Namespace) -> int:
+    from kvfence.cluster import ClusterKey, ClusterKeyError
+
+    key = ClusterKey.generate()
+    try:
+        key.write(args.file, overwrite=args.force)
+    except ClusterKeyError as e:
+        sys.exit(f"kvfence cluster-key: {e}")
+    print(f"kvfence: wrote a new cluster key to {args.file} (mode 0600, cluster {key.fingerprint}). Copy it to every "
+          f"host of the cluster and pass --cluster-key {args.file} to router, prefill and decode.", file=sys.stderr)
+    return 0
+
+
+def cluster_key_or_exit(args: argparse.Namespace, addresses: dict[str, str | None]):
+    """The key of ``--cluster-key`` (or ``$KVFENCE_CLUSTER_KEY``), or None on one host; exits with the reason and
+    the fix if the file is unusable, or if ``addresses`` leave this host and there is no key."""
+    from kvfence.cluster import ClusterKeyError, key_from, require_key_beyond_loopback
+
+    try:
+        key = key_from(args.cluster_key)
+        require_key_beyond_loopback(key, addresses)
+    except ClusterKeyError as e:
+        sys.exit(f"kvfence {args.command}: {e}")
+    if key is None and addresses:
+        log.warning("no --cluster-key: the control plane is unauthenticated, so any process on this host can join; "
+                    "fine for development on one host only")
+    elif key is not None:
+        log.info("cluster %s: control plane authenticated and encrypted (CurveZMQ)", key.fingerprint)
+    return key
 
 
 def serve_colocated(args: argparse.Namespace) -> int:
@@ -297,7 +348,7 @@ def local_threads(args: argparse.Namespace) -> tuple[int, dict[str, int]]:
 
 
 def worker_settings(args, role: str, bind: str, router: str, max_context: int, pool_tokens: int,
-                    advertise: str | None = None, threads: int | None = None, solo_threads: int = 0):
+                    advertise: str | None = None, threads: int | None = None, solo_threads: int = 0, key=None):
     from kvfence.workers.settings import WorkerSettings
 
     return WorkerSettings(
@@ -307,15 +358,16 @@ def worker_settings(args, role: str, bind: str, router: str, max_context: int, p
         max_batch=args.max_batch, transfer=args.transfer, advertise=advertise,
         emulate_incident=getattr(args, "emulate_incident", False),
         threads=args.threads if threads is None else threads, solo_threads=solo_threads, log_level=args.log_level,
-        handoff_timeout=args.handoff_timeout)
+        handoff_timeout=args.handoff_timeout, cluster_key=key)
 
 
-def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int):
+def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int,
+                       key=None):
     from kvfence.router.remote import RemoteEngine
     from kvfence.safety import Safety
 
     return RemoteEngine(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected,
-                        silence_timeout=4 * args.handoff_timeout)
+                        silence_timeout=4 * args.handoff_timeout, cluster_key=key)
 
 
 def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:

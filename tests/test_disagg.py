@@ -61,8 +61,19 @@ def test_prompt_up_to_the_full_context(model):
 
 
 @pytest.fixture(scope="module")
-def four_workers(model):
-    with Server("--model", model, "--prefill", "2", "--decode", "2", *COMMON, admin=True) as server:
+def cluster_key(tmp_path_factory) -> Path:
+    """A key file for deployments whose control plane a test talks to as a member."""
+    from kvfence.cluster import ClusterKey
+
+    path = tmp_path_factory.mktemp("cluster") / "cluster.key"
+    ClusterKey.generate().write(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def four_workers(model, cluster_key):
+    with Server("--model", model, "--prefill", "2", "--decode", "2", "--cluster-key", str(cluster_key),
+                *COMMON, admin=True) as server:
         deadline = time.monotonic() + 60
         while len(server.health()["workers"]) < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -138,11 +149,14 @@ def test_killed_decode_worker_fails_its_requests_fast_and_comes_back(four_worker
         pytest.fail("killed decode worker was not restarted")
 
 
-def test_malformed_control_messages_are_dropped_not_fatal(four_workers):
+def test_malformed_control_messages_are_dropped_not_fatal(four_workers, cluster_key):
+    """Junk from a member of the cluster (outsiders do not get through at all: tests/test_cluster.py)."""
+    from kvfence.cluster import ClusterKey
+    from kvfence.workers.channel import connect_push
+
     worker, info = next(iter(workers(four_workers, "prefill").items()))
-    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock = connect_push(zmq.Context.instance(), worker, ClusterKey.load(cluster_key))
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(worker)
     for junk in (b"", b"\x00\xff garbage", b'{"sender":"x","msg":{"type":"Nope","rid":1}}',
                  b'{"sender":"x","msg":{"type":"Dest","rid":"not-an-int"}}', b'{"sender":"x"'):
         sock.send(junk)
@@ -205,14 +219,17 @@ def listening_addresses(pid: int) -> set[str]:
 
 
 def test_readme_several_hosts_commands_serve_beyond_loopback(model, reference, tmp_path):
-    """The README's "Several hosts" commands, one process per role, on this host's non-loopback address. The
-    output equals colocated serving, and the decode worker listens for KV only on that interface or all of them:
-    its tcp data plane used to bind 127.0.0.1, which a prefill worker on another host cannot reach."""
+    """The README's "Several hosts" commands, one process per role, on this host's non-loopback address, with a
+    cluster key made by `kvfence cluster-key`. The output equals colocated serving (over the tcp data plane sealed,
+    as beyond loopback), and the decode worker listens for KV only on that interface or all of them: its tcp data
+    plane used to bind 127.0.0.1, which a prefill worker on another host cannot reach."""
     ip = non_loopback_address()
     if ip is None:
         pytest.skip("no non-loopback IPv4 address here")
+    key = tmp_path / "cluster.key"
+    subprocess.run([sys.executable, "-m", "kvfence.cli", "cluster-key", str(key)], cwd=ROOT, check=True)
     router, prefill, decode, http = (free_port() for _ in range(4))
-    common = ["--model", model, *COMMON[:2]]
+    common = ["--model", model, *COMMON[:2], "--cluster-key", str(key)]
     worker = [*common, "--kv-pool-tokens", COMMON[3], "--router", f"tcp://{ip}:{router}", "--transfer", "tcp"]
     commands = {
         "router": ["router", "--bind", f"tcp://0.0.0.0:{router}", "--advertise", f"tcp://{ip}:{router}",

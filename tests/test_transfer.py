@@ -48,13 +48,16 @@ def require(kind: str) -> None:
 
 
 class Pair:
-    """An initiator here, a target there, and the mirror of what the target's region must hold."""
+    """An initiator here, a target there, and the mirror of what the target's region must hold. ``secret`` (tcp):
+    both ends are members of a cluster; ``sealed``: the target also encrypts, as it does beyond loopback."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, secret: bytes | None = None, sealed: bool = False) -> None:
         require(kind)
         self.kind = kind
-        self.target = TargetProcess(kind, POOL)
-        self.initiator = make_initiator(kind, POOL, timeout=DEATH_LIMIT)
+        member = {"secret": secret} if secret else {}
+        self.target_opts = {**member, **({"sealed": True} if sealed else {})}
+        self.target = TargetProcess(kind, POOL, **self.target_opts)
+        self.initiator = make_initiator(kind, POOL, timeout=DEATH_LIMIT, **member)
         self.local = np.frombuffer(self.initiator.buffer, dtype=np.uint8)
         self.local[:] = np.frombuffer(np.random.default_rng(0).bytes(POOL), dtype=np.uint8)
         self.peer = self.initiator.connect(self.target.descriptor)
@@ -96,13 +99,19 @@ def check_image(target: TargetProcess, mirror: np.ndarray) -> None:
 
 
 SHM_PYTHON = "shm-python"  # shm where shm_copy.c cannot be built: one memmove per segment, fcntl from Python
+TCP_MEMBER = "tcp-member"  # tcp with a cluster key: both ends authenticate, batches as plain tcp
+TCP_SEALED = "tcp-sealed"  # ... and sealed (AES-GCM records), as beyond loopback
+SECRET = bytes(range(32))
 
 
-@pytest.fixture(scope="module", params=[*BACKENDS, SHM_PYTHON])
+@pytest.fixture(scope="module", params=[*BACKENDS, SHM_PYTHON, TCP_MEMBER, TCP_SEALED])
 def pair(request):
     python_path = request.param == SHM_PYTHON
     with mock.patch.object(shm, "_c_copy", lambda: None) if python_path else contextlib.nullcontext():
-        p = Pair("shm" if python_path else request.param)
+        if request.param in (TCP_MEMBER, TCP_SEALED):
+            p = Pair("tcp", SECRET, sealed=request.param == TCP_SEALED)
+        else:
+            p = Pair("shm" if python_path else request.param)
         yield p
         p.close()
 
@@ -246,7 +255,7 @@ def test_submitted_writes_land_in_submission_order(fresh):
 
 
 def test_one_initiator_writes_two_targets_at_once(fresh):
-    other = TargetProcess(fresh.kind, 8 << 20)
+    other = TargetProcess(fresh.kind, 8 << 20, **fresh.target_opts)
     try:
         other.fill(FILL)
         peer2 = fresh.initiator.connect(other.descriptor)
@@ -456,4 +465,215 @@ def test_tcp_data_sockets_do_not_pace():
         ini.write(peer, [(0, 0, PAGE)])
         (conn,) = peer._idle
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == congestion
+    target.close()
+
+
+# ---------------------------------------------------------------------------- tcp membership (tcp_auth.py)
+
+
+def _batch(dst: int, payload: bytes) -> bytes:
+    """A well-formed one-segment tcp batch: what a rogue that got past the hello would send."""
+    from kvfence.transfer import tcp
+
+    return tcp.BATCH1.pack(b"KVFB", 1, len(payload), dst, len(payload)) + payload
+
+
+def _rogue(target: TargetProcess, hello: bytes, then: bytes = b"") -> bytes:
+    """Connect as a rogue, send ``hello``, read what the target answers, send ``then``; returns the answer."""
+    answer = b""
+    with socket.create_connection((target.descriptor["host"], target.descriptor["port"]), timeout=5) as sock:
+        sock.sendall(hello)
+        with contextlib.suppress(OSError):  # the target hangs up on a rogue, perhaps with a reset
+            answer += sock.recv(4096)
+            sock.sendall(then)
+            time.sleep(0.2)
+            answer += sock.recv(4096)
+    return answer
+
+
+@pytest.fixture
+def member_target():
+    target = TargetProcess("tcp", 4 << 20, secret=SECRET)
+    target.fill(FILL)
+    yield target
+    target.close()
+
+
+def test_tcp_member_target_lands_nothing_from_a_connection_without_the_key(member_target):
+    """An unauthenticated hello (the keyless one), a member hello whose proof is forged, and an initiator without
+    the key (even with a descriptor that hides ``members_only``) land no byte: the region is untouched."""
+    from kvfence.transfer import tcp, tcp_auth
+
+    target_id = bytes.fromhex(member_target.descriptor["id"])
+    before = member_target.digest()
+    payload = b"\x01" * 4096
+    assert _rogue(member_target, tcp.HELLO.pack(b"KVFH", target_id) + _batch(0, payload)) == b""
+    challenge = _rogue(member_target, tcp_auth.MEMBER_HELLO.pack(b"KVFM", target_id, bytes(16)),
+                       then=os.urandom(tcp_auth.PROOF_BYTES) + _batch(0, payload))
+    assert challenge[:4] == b"KVFC" and challenge[tcp_auth.CHALLENGE.size :] == b""  # no KVOK
+    with make_initiator("tcp", 4 << 20) as keyless:
+        with pytest.raises(TransferError, match="members only"):
+            keyless.connect(member_target.descriptor)
+        with pytest.raises(TransferError):
+            keyless.write(keyless.connect({**member_target.descriptor, "members_only": False}), [(0, 0, PAGE)])
+    assert member_target.digest() == before
+
+
+def test_tcp_initiator_with_another_clusters_key_lands_nothing(member_target):
+    before = member_target.digest()
+    with make_initiator("tcp", 4 << 20, secret=os.urandom(32)) as stranger:
+        with pytest.raises(TransferError, match="cluster's key"):
+            stranger.write(stranger.connect(member_target.descriptor), [(0, 0, PAGE)])
+    assert member_target.digest() == before
+    with make_initiator("tcp", 4 << 20, secret=SECRET) as member:  # and a member still writes
+        member.write(member.connect(member_target.descriptor), [(0, 0, PAGE)])
+        assert member_target.read(0, PAGE) == bytes(member.buffer[:PAGE])
+
+
+def test_tcp_member_initiator_sends_no_kv_to_a_target_that_cannot_prove_membership():
+    """A process that took a member's port (or answers for it) but lacks the key gets the hello and nothing more."""
+    from kvfence.transfer import tcp_auth
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+
+    def impostor() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(3)
+            received.extend(conn.recv(tcp_auth.MEMBER_HELLO.size, socket.MSG_WAITALL))
+            conn.sendall(tcp_auth.CHALLENGE.pack(b"KVFC", bytes(16), 0, os.urandom(32)) + b"KVOK")
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(65536):
+                    received.extend(chunk)
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    descriptor = {"kind": "tcp", "host": "127.0.0.1", "port": listener.getsockname()[1], "id": "00" * 16,
+                  "nbytes": 4 << 20, "members_only": True}
+    with make_initiator("tcp", 4 << 20, secret=SECRET) as ini:
+        with pytest.raises(TransferError, match="target does not hold"):
+            ini.write(ini.connect(descriptor), [(0, 0, PAGE)])
+    thread.join(5)
+    listener.close()
+    assert len(received) == tcp_auth.MEMBER_HELLO.size  # the hello only: no proof, no batch
+
+
+def test_tcp_without_a_key_listens_on_loopback_only():
+    from kvfence.transfer import tcp
+
+    for host in ("0.0.0.0", "::", "10.0.0.2"):
+        with pytest.raises(ValueError, match="cluster key"):
+            tcp.Target(4096, host=host)
+    with pytest.raises(ValueError, match="cluster key"):
+        tcp.Target(4096, sealed=True)
+
+
+class Tap:
+    """A TCP relay between an initiator and a target that records what the initiator sends and may flip one byte
+    of it (at ``flip``, counted from the start of the connection)."""
+
+    def __init__(self, target: tuple[str, int], flip: int | None = None) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address, self.target, self.flip = self.listener.getsockname()[:2], target, flip
+        self.seen = bytearray()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(self.target)
+                threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+                threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := bytearray(src.recv(1 << 16)):
+                if record:
+                    start = len(self.seen)
+                    self.seen += chunk
+                    if self.flip is not None and start <= self.flip < len(self.seen):
+                        chunk[self.flip - start] ^= 0xFF
+                dst.sendall(chunk)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def descriptor(self, target: TargetProcess) -> dict:
+        return {**target.descriptor, "host": self.address[0], "port": self.address[1]}
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["member", "sealed"])
+def test_tcp_sealed_connections_hide_kv_on_the_wire(sealed):
+    """What crosses hosts is sealed: a recognisable payload shows on the wire of a member (loopback) connection,
+    never on a sealed one."""
+    target = TargetProcess("tcp", 4 << 20, secret=SECRET, sealed=sealed)
+    tap = Tap((target.descriptor["host"], target.descriptor["port"]))
+    marker = b"the secret code is ZEBRA-4471. " * 64
+    with make_initiator("tcp", 4 << 20, secret=SECRET) as ini:
+        ini.buffer[: len(marker)] = marker
+        ini.write(ini.connect(tap.descriptor(target)), [(0, PAGE, len(marker))])
+        assert target.read(PAGE, len(marker)) == marker
+    assert (b"ZEBRA-4471" in tap.seen) is not sealed
+    tap.close()
+    target.close()
+
+
+def test_tcp_sealed_record_tampered_on_the_wire_lands_nothing():
+    from kvfence.transfer import tcp_auth
+
+    target = TargetProcess("tcp", 4 << 20, secret=SECRET, sealed=True)
+    target.fill(FILL)
+    before = target.digest()
+    hello = tcp_auth.MEMBER_HELLO.size + tcp_auth.PROOF_BYTES
+    tap = Tap((target.descriptor["host"], target.descriptor["port"]), flip=hello + 4 + 200)  # inside the payload
+    with make_initiator("tcp", 4 << 20, secret=SECRET) as ini:
+        peer = ini.connect(tap.descriptor(target))
+        with pytest.raises(TransferError):
+            ini.write(peer, [(0, 0, 64 << 10)])
+    assert target.digest() == before
+    tap.close()
+    target.close()
+
+
+# ---------------------------------------------------------------------------- shm: who may map a segment
+
+
+def test_shm_segments_are_private_to_this_user_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        target = shm.Target(PAGE, dir=str(tmp_path))
+    finally:
+        os.umask(old)
+    st = os.stat(target.path)
+    assert (st.st_mode & 0o777, st.st_uid) == (0o600, os.geteuid())
+    target.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's file needs root")
+def test_shm_maps_and_sweeps_only_this_users_private_segments(tmp_path):
+    """A file planted under a segment's name by another user (or left readable by others, or a symlink) is never
+    mapped, so no KV lands in it; and the sweep leaves it alone instead of failing the next target's start."""
+    target = shm.Target(PAGE, dir=str(tmp_path))
+    planted = {name: tmp_path / f"{shm.PREFIX}{name}" for name in ("nobody", "open", "link")}
+    for path in planted.values():
+        if path.name.endswith("link"):
+            path.symlink_to(target.path)
+        else:
+            path.write_bytes(bytes(PAGE))
+    os.chown(planted["nobody"], 65534, 65534)
+    planted["nobody"].chmod(0o666)
+    planted["open"].chmod(0o644)
+    with make_initiator("shm", PAGE) as ini:
+        ini.write(ini.connect(target.descriptor()), [(0, 0, 64)])  # the real segment
+        for path in planted.values():
+            with pytest.raises(TransferError, match="refused"):
+                ini.connect({**target.descriptor(), "path": str(path)})
+    assert shm.sweep_stale(str(tmp_path)) == 0
+    shm.Target(PAGE, dir=str(tmp_path)).close()  # starts despite the planted files
+    assert all(p.is_symlink() or p.read_bytes() == bytes(PAGE) for p in planted.values())
     target.close()

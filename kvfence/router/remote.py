@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from kvfence.cluster import ClusterKey
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.faults import Faults
 from kvfence.protocol.actions import Action, Deliver, Send
@@ -33,8 +34,10 @@ POLL_S = 0.01  # the inbox is also polled this often, should a wake-up be missed
 
 class RemoteEngine:
     def __init__(self, bind: str, model_name: str, max_context: int, safety: Safety, advertise: str | None = None,
-                 expected_workers: int = 0, silence_timeout: float = 120.0) -> None:
-        self.channel = Channel(bind, advertise, Faults.from_env())
+                 expected_workers: int = 0, silence_timeout: float = 120.0,
+                 cluster_key: ClusterKey | None = None) -> None:
+        """``cluster_key``: only its holders can join (``Channel``); without one, ``bind`` must stay on this host."""
+        self.channel = Channel(bind, advertise, Faults.from_env(), cluster_key)
         self.me = self.channel.me
         self.model_name, self.max_context = model_name, max_context
         self.core = RouterCore(self.me, max_context, safety, silence_timeout)

@@ -13,6 +13,14 @@ resource tracker.
 
 Caveat: a child ``fork``-ed (without exec) from the target inherits the lock
 descriptor and keeps the target looking alive until it exits.
+
+Who may map a segment: it is created ``O_EXCL`` with mode exactly 0600, so
+only its owner (and root) can open it; shm is a one-host data plane and the
+cluster's processes run as one user. The directory is world-writable, so an
+initiator maps only a regular file (no symlink) that this user owns and no
+one else may open: a file planted under a dead target's name is refused, and
+KV never lands in another user's file. The sweep likewise ignores files it
+does not own, so no other user can stop a target from starting.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import functools
 import logging
 import mmap
 import os
+import stat
 import struct
 import time
 import uuid
@@ -75,14 +84,27 @@ def _locked(fd: int) -> bool:
     return fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _WHOLE_FILE)[:2] != _UNLOCKED
 
 
+def _open_own(path: str | Path) -> int:
+    """Open ``path`` read-write if it is a regular file (not a symlink) of this user that no one else may open;
+    ``OSError`` (``PermissionError`` for a file that fails the checks) otherwise."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise PermissionError(f"{path} is not a private segment of this user (owner {st.st_uid}, mode "
+                              f"{st.st_mode & 0o7777:04o})")
+    return fd
+
+
 def sweep_stale(directory: str) -> int:
-    """Unlink segments in ``directory`` whose owner is gone (no one holds their lock); returns how many."""
+    """Unlink this user's segments in ``directory`` whose owner is gone (no one holds their lock); returns how
+    many. Files of other users, or that it cannot remove, are left alone."""
     swept = 0
     for path in Path(directory).glob(f"{PREFIX}*"):
         if path.name.endswith(".tmp"):
             continue
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = _open_own(path)
         except OSError:
             continue
         try:
@@ -90,6 +112,8 @@ def sweep_stale(directory: str) -> int:
                 path.unlink(missing_ok=True)
                 swept += 1
                 log.warning("shm: removed stale KV segment %s (its target died)", path)
+        except OSError:
+            pass
         finally:
             os.close(fd)
     return swept
@@ -107,9 +131,10 @@ class Target(KVTarget):
         self.nbytes = nbytes
         self.path = os.path.join(dir, f"{PREFIX}{uuid.uuid4().hex}")
         tmp = self.path + ".tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         lock_fd = -1
         try:
+            os.fchmod(fd, 0o600)  # exactly: a umask may only have narrowed it, which would lock out the initiators
             # The lock lives on its own open file: mmap dups the mapping fd, which would keep
             # a lock taken on it held for as long as any view of the region lives.
             lock_fd = os.open(tmp, os.O_RDWR)
@@ -198,9 +223,11 @@ class Initiator(KVInitiator):
     def _connect(self, descriptor: dict) -> PeerHandle:
         path, nbytes = descriptor["path"], int(descriptor["nbytes"])
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = _open_own(path)
         except FileNotFoundError:
             raise TransferError(f"shm target {path} not found: it closed, died, or lives on another host") from None
+        except OSError as e:
+            raise TransferError(f"shm target {path} refused: {e}") from None
         try:
             if os.fstat(fd).st_size < nbytes:
                 raise TransferError(f"shm target {path} is smaller than its descriptor says")

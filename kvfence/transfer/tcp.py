@@ -3,6 +3,7 @@
 Wire format (little-endian), per connection::
 
     initiator -> HELLO  b"KVFH" + target id (16 bytes)     target -> b"KVOK" (or closes: wrong target)
+                 (with a cluster key: the mutual challenge-response of ``tcp_auth.py`` instead)
     then per batch:
     initiator -> BATCH  b"KVFB", nsegs u32, payload u64 ; nsegs x (dst u64, nbytes u64) ; payload
     target    -> ACK    b"KVAK", payload u64                 sent only after the whole payload is in place
@@ -13,6 +14,14 @@ the connection dropped without touching the region. The payload is received
 with ``recvmsg_into`` directly into memoryview slices of the region: no
 intermediate copy. The target id in the hello makes a stale descriptor (a new
 target that reused the port) fail instead of writing into the wrong pool.
+
+Membership (``tcp_auth.py``). With the cluster's data-plane secret (option
+``secret``), both ends prove they hold it before the target reads a batch:
+a connection that does not is logged (throttled) and dropped, having landed
+nothing. A target whose listener is not on loopback also seals the
+connection (AES-256-GCM records, verified before they land; option
+``sealed``): KV bytes are the prompt in another form. Without a secret a
+target listens on loopback only, as in single-host development.
 
 Initiators keep their connections to a peer for the next write (writes to one
 peer take turns, see ``PeerHandle.enter``). A connection that fails is closed.
@@ -37,7 +46,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvfence.cluster import Throttle, is_loopback
+from kvfence.transfer import tcp_auth
 from kvfence.transfer.base import (
+    DEFAULT_TIMEOUT,
     KVInitiator,
     KVTarget,
     PeerHandle,
@@ -52,6 +64,7 @@ log = logging.getLogger(__name__)
 
 HELLO = struct.Struct("<4s16s")
 OK = b"KVOK"
+SEALED_HEAD = struct.Struct("<I")  # a sealed batch header's plaintext length, before its record
 BATCH = struct.Struct("<4sIQ")
 ACK = struct.Struct("<4sQ")
 SEG = np.dtype([("dst", "<u8"), ("nbytes", "<u8")])
@@ -64,6 +77,7 @@ _SMALL_TABLE = 64  # segments per batch below which struct beats NumPy
 HELLO_TIMEOUT = 10.0  # a connection that says nothing is dropped after this
 TIMEVAL = struct.Struct("@ll")  # struct timeval, for the kernel's send/receive bounds
 ARM_SLACK = 0.01  # seconds by which a kernel bound may miss the write's deadline before it is re-armed
+SCRATCH = 2 * (tcp_auth.RECORD + tcp_auth.TAG)  # a sealed connection's buffer: a full record always fits
 
 
 def probe() -> tuple[bool, str]:
@@ -166,11 +180,21 @@ class Target(KVTarget):
 
     ``port`` 0 picks a free port (the descriptor says which). ``advertise`` is the
     address peers dial, by default ``host`` (or this host's name for a wildcard bind).
+    ``secret``: the cluster's data-plane secret; only initiators holding it may write,
+    and without it ``host`` must be loopback (``ValueError``). ``sealed``: encrypt each
+    connection (default: when ``host`` is not loopback; needs ``secret``).
     """
 
     kind = "tcp"
 
-    def __init__(self, nbytes: int, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> None:
+    def __init__(self, nbytes: int, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
+                 secret: bytes | None = None, sealed: bool | None = None) -> None:
+        local = is_loopback(host)
+        if secret is None and (not local or sealed):
+            raise ValueError(f"a tcp data plane on {host!r} (not loopback) or sealed needs the cluster key (secret)")
+        self.keys = tcp_auth.MemberKeys(secret) if secret is not None else None
+        self.sealed = (not local) if sealed is None else sealed
+        self.refusals = Throttle(log)
         self.region = Region.anonymous(nbytes)
         self.buffer = self.region.buffer
         self.nbytes = nbytes
@@ -186,7 +210,8 @@ class Target(KVTarget):
             self._spawn(self._accept_loop, "kvfence-tcp-accept")
 
     def descriptor(self) -> dict:
-        return {"kind": self.kind, "host": self.host, "port": self.port, "id": self.id.hex(), "nbytes": self.nbytes}
+        return {"kind": self.kind, "host": self.host, "port": self.port, "id": self.id.hex(), "nbytes": self.nbytes,
+                "members_only": self.keys is not None}
 
     def close(self) -> None:
         """Stop listening, drop every connection and wait for the receivers: no byte lands after this."""
@@ -229,20 +254,46 @@ class Target(KVTarget):
         try:
             _tune(conn)
             conn.settimeout(HELLO_TIMEOUT)
-            magic, target_id = HELLO.unpack(_recv_exact(conn, HELLO.size))
+            seal = self._admit(conn)
             conn.settimeout(None)
-            if magic != b"KVFH" or target_id != self.id:
-                log.warning("tcp target: %s sent a hello for another target or protocol; dropped", addr)
-                return
             conn.sendall(OK)
-            while self._serve_batch(conn, addr):
-                pass
+            if seal is None:
+                while self._serve_batch(conn, addr):
+                    pass
+            else:
+                scratch = memoryview(bytearray(SCRATCH))
+                while self._serve_sealed_batch(conn, addr, seal, scratch):
+                    pass
+        except tcp_auth.Refused as e:
+            self.refusals.warn("refused", "tcp target: refused a connection from %s: %s", addr, e)
         except OSError:
             pass  # peer went away or we are closing
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _admit(self, conn: socket.socket) -> tcp_auth.Seal | None:
+        """Read the hello; with a secret, run the challenge-response. Returns the connection's seal (None: plain
+        batches follow); raises ``Refused`` (or ``OSError``) having read nothing beyond the hello."""
+        magic = _recv_exact(conn, 4)
+        if self.keys is None:
+            if magic != b"KVFH":
+                raise tcp_auth.Refused(f"it sent {magic!r}, not a hello (a cluster member talking to a target "
+                                       "without a cluster key?)")
+            if _recv_exact(conn, HELLO.size - 4) != self.id:
+                raise tcp_auth.Refused("its hello names another target (a stale descriptor)")
+            return None
+        if magic != b"KVFM":
+            raise tcp_auth.Refused("it did not authenticate (no cluster key?)")
+        target_id, nonce_i = tcp_auth.MEMBER_HELLO.unpack(magic + _recv_exact(conn, tcp_auth.MEMBER_HELLO.size - 4))[1:]
+        if target_id != self.id:
+            raise tcp_auth.Refused("its hello names another target (a stale descriptor)")
+        nonce_t = tcp_auth.nonce()
+        transcript = tcp_auth.transcript(self.id, nonce_i, nonce_t, self.sealed)
+        conn.sendall(tcp_auth.CHALLENGE.pack(b"KVFC", nonce_t, self.sealed, self.keys.proof(b"target", transcript)))
+        self.keys.check(b"initiator", transcript, _recv_exact(conn, tcp_auth.PROOF_BYTES))
+        return self.keys.session(transcript, initiator=False) if self.sealed else None
 
     def _serve_batch(self, conn: socket.socket, addr) -> bool:
         """Receive one batch into the region and ack it; False ends the connection."""
@@ -258,15 +309,47 @@ class Target(KVTarget):
             ranges = [SEG1.unpack_from(head, BATCH.size)]
         else:
             ranges = _parse_table(head[BATCH.size :] + _recv_exact(conn, (nsegs - 1) * SEG.itemsize), nsegs)
-        if not _ranges_ok(ranges, self.nbytes, total):
-            log.warning(
-                "tcp target: batch from %s writes outside [0, %d) or misstates its size; dropped", addr, self.nbytes
-            )
+        if not self._ranges_ok(ranges, total, addr):
             return False
         buf = self.buffer
         _recv_into_all(conn, [buf[d : d + k] for d, k in ranges if k])
         conn.sendall(ACK.pack(b"KVAK", total))
         return True
+
+    def _serve_sealed_batch(self, conn: socket.socket, addr, seal: tcp_auth.Seal, scratch: memoryview) -> bool:
+        """As ``_serve_batch`` over sealed records: the header's, then each range's in records of at most
+        ``RECORD`` bytes, each landing only once its tag verified."""
+        try:
+            (size,) = SEALED_HEAD.unpack(_recv_exact(conn, SEALED_HEAD.size))
+        except ConnectionError:
+            return False
+        if not BATCH.size + SEG.itemsize <= size <= BATCH.size + MAX_SEGS * SEG.itemsize:
+            log.warning("tcp target: bad sealed batch header from %s (%d bytes); dropped", addr, size)
+            return False
+        head = seal.open(_recv_exact(conn, size + tcp_auth.TAG))
+        magic, nsegs, total = BATCH.unpack_from(head)
+        if magic != b"KVFB" or not 0 < nsegs <= MAX_SEGS or size != BATCH.size + nsegs * SEG.itemsize:
+            log.warning("tcp target: bad batch header from %s (magic %r, %d segments); dropped", addr, magic, nsegs)
+            return False
+        ranges = _parse_table(head[BATCH.size :], nsegs)
+        if not self._ranges_ok(ranges, total, addr):
+            return False
+        buf, cipher, plain = self.buffer, scratch[: len(scratch) // 2], scratch[len(scratch) // 2 :]
+        for d, k in ranges:
+            for off in range(0, k, tcp_auth.RECORD):
+                n = min(tcp_auth.RECORD, k - off)
+                _recv_into_all(conn, [cipher[: n + tcp_auth.TAG]])
+                seal.open_into(cipher[: n + tcp_auth.TAG], plain[:n])
+                buf[d + off : d + off + n] = plain[:n]
+        conn.sendall(seal.seal(ACK.pack(b"KVAK", total)))
+        return True
+
+    def _ranges_ok(self, ranges: list[tuple[int, int]], total: int, addr) -> bool:
+        if _ranges_ok(ranges, self.nbytes, total):
+            return True
+        log.warning("tcp target: batch from %s writes outside [0, %d) or misstates its size; dropped", addr,
+                    self.nbytes)
+        return False
 
 
 class _Conn:
@@ -276,10 +359,12 @@ class _Conn:
     until the write's deadline (give or take ``ARM_SLACK``) and re-armed only when that moves. A bound that fires
     raises ``BlockingIOError``: the deadline passed."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, seal: tcp_auth.Seal | None = None) -> None:
         sock.settimeout(None)
         self.sock = sock
         self.armed = math.inf  # seconds the kernel allows one blocking call (none set yet: unbounded)
+        self.seal = seal  # a sealed connection's, with its buffer for records on their way out
+        self.scratch = memoryview(bytearray(SCRATCH)) if seal is not None else None
 
     def arm(self, deadline: float) -> None:
         """Bound each blocking call by the time left until ``deadline``; raises ``TransferTimeout`` if none is."""
@@ -328,11 +413,15 @@ class _Conn:
 
 
 class TcpPeer(PeerHandle):
-    def __init__(self, descriptor: dict) -> None:
+    def __init__(self, descriptor: dict, keys: tcp_auth.MemberKeys | None) -> None:
         super().__init__(descriptor)
         self.address = (descriptor["host"], int(descriptor["port"]))
         self.target_id = bytes.fromhex(descriptor["id"])
+        self.keys = keys
         self._idle: collections.deque[_Conn] = collections.deque()  # append and pop are atomic: no lock needed
+        if descriptor.get("members_only", False) != (keys is not None):
+            raise TransferError(f"tcp target {self.address} " + ("admits cluster members only, and this initiator "
+                                "has no cluster key" if keys is None else "has no cluster key, unlike this initiator"))
 
     def take(self, deadline: float) -> _Conn:
         """An idle connection, or a new one that passed the hello."""
@@ -346,15 +435,33 @@ class TcpPeer(PeerHandle):
             raise TransferError(f"tcp target {self.address} unreachable: {e}") from e
         try:
             _tune(sock)
-            sock.sendall(HELLO.pack(b"KVFH", self.target_id))
+            seal = self._hello(sock)
             if _recv_exact(sock, len(OK)) != OK:
                 raise TransferError(f"tcp target {self.address} answered the hello wrongly")
         except (OSError, TransferError) as e:
             sock.close()
             if isinstance(e, TransferError):
                 raise
-            raise TransferError(f"tcp target {self.address} refused this descriptor (stale or wrong id): {e}") from e
-        return _Conn(sock)
+            if isinstance(e, tcp_auth.Refused):
+                raise TransferError(f"tcp target {self.address} refused: {e}") from e
+            raise TransferError(f"tcp target {self.address} refused this descriptor (stale or wrong id, or not a "
+                                f"member of this cluster): {e}") from e
+        return _Conn(sock, seal)
+
+    def _hello(self, sock: socket.socket) -> tcp_auth.Seal | None:
+        """Say hello; with a cluster key, check the target's proof before proving ours (``tcp_auth.py``)."""
+        if self.keys is None:
+            sock.sendall(HELLO.pack(b"KVFH", self.target_id))
+            return None
+        nonce_i = tcp_auth.nonce()
+        sock.sendall(tcp_auth.MEMBER_HELLO.pack(b"KVFM", self.target_id, nonce_i))
+        magic, nonce_t, sealed, proof = tcp_auth.CHALLENGE.unpack(_recv_exact(sock, tcp_auth.CHALLENGE.size))
+        if magic != b"KVFC" or sealed > 1:
+            raise tcp_auth.Refused(f"it answered the hello with {magic!r}")
+        transcript = tcp_auth.transcript(self.target_id, nonce_i, nonce_t, bool(sealed))
+        self.keys.check(b"target", transcript, proof)
+        sock.sendall(self.keys.proof(b"initiator", transcript))
+        return self.keys.session(transcript, initiator=True) if sealed else None
 
     def give_back(self, conn: _Conn) -> None:
         self._idle.append(conn)
@@ -368,12 +475,18 @@ class TcpPeer(PeerHandle):
 
 
 class Initiator(KVInitiator):
-    """Streams header + table + payload (gathered from the local region) per batch and waits for the ack."""
+    """Streams header + table + payload (gathered from the local region) per batch and waits for the ack.
+
+    ``secret``: the cluster's data-plane secret, to write to targets that admit members only."""
 
     kind = "tcp"
 
+    def __init__(self, nbytes: int, timeout: float = DEFAULT_TIMEOUT, secret: bytes | None = None) -> None:
+        super().__init__(nbytes, timeout)
+        self.keys = tcp_auth.MemberKeys(secret) if secret is not None else None
+
     def _connect(self, descriptor: dict) -> PeerHandle:
-        peer = TcpPeer(descriptor)
+        peer = TcpPeer(descriptor, self.keys)
         peer.give_back(peer.take(time.monotonic() + self.timeout))  # fail now if unreachable or stale
         return peer
 
@@ -398,6 +511,8 @@ class Initiator(KVInitiator):
         peer.give_back(conn)
 
     def _send_batch(self, conn: _Conn, plan: Plan, deadline: float) -> None:
+        if conn.seal is not None:
+            return self._send_sealed_batch(conn, plan, deadline)
         buf = self.buffer
         if len(plan) == 1:
             src, dst, total = plan[0]
@@ -409,6 +524,28 @@ class Initiator(KVInitiator):
             payload = [buf[s : s + n] for s, _, n in plan]
         conn.send_all([head, *payload], len(head) + total, deadline)
         magic, acked = ACK.unpack(conn.recv_exact(ACK.size, deadline))
+        if magic != b"KVAK" or acked != total:
+            raise TransferError(f"tcp target acked {acked} of {total} bytes ({magic!r})")
+
+    def _send_sealed_batch(self, conn: _Conn, plan: Plan, deadline: float) -> None:
+        """The header and table as one record, then each segment in records of at most ``RECORD`` bytes, sealed
+        into the connection's buffer and sent whenever it is full; then the sealed ack."""
+        seal, out, buf = conn.seal, conn.scratch, self.buffer
+        total = sum(n for _, _, n in plan)
+        head = seal.seal(BATCH.pack(b"KVFB", len(plan), total) + _pack_table(plan))
+        pending: list[bytes | memoryview] = [SEALED_HEAD.pack(len(head) - tcp_auth.TAG), head]
+        used = 0
+        for src, _, n in plan:
+            for off in range(src, src + n, tcp_auth.RECORD):
+                chunk = buf[off : min(off + tcp_auth.RECORD, src + n)]
+                if used + len(chunk) + tcp_auth.TAG > len(out):
+                    conn.send_all([*pending, out[:used]], sum(map(len, pending)) + used, deadline)
+                    pending, used = [], 0
+                seal.seal_into(chunk, out[used : used + len(chunk) + tcp_auth.TAG])
+                used += len(chunk) + tcp_auth.TAG
+        conn.send_all([*pending, out[:used]], sum(map(len, pending)) + used, deadline)
+        ack = seal.open(conn.recv_exact(ACK.size + tcp_auth.TAG, deadline))
+        magic, acked = ACK.unpack(ack)
         if magic != b"KVAK" or acked != total:
             raise TransferError(f"tcp target acked {acked} of {total} bytes ({magic!r})")
 

@@ -25,7 +25,7 @@ from kvfence.model import kernels
 from kvfence.protocol.actions import Action, Send
 from kvfence.protocol.messages import Hello, Message, encode_message
 from kvfence.safety import Safety
-from kvfence.workers.channel import Channel
+from kvfence.workers.channel import Channel, HandshakeWatch, connect_push
 from kvfence.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class WorkerBase:
         self.dtype = getattr(torch, settings.dtype)
         self.loaded = load_model(settings.model, dtype=self.dtype, device=settings.device)
         freeze_loaded_objects()
-        self.channel = Channel(settings.bind, settings.advertise, self.faults)
+        self.channel = Channel(settings.bind, settings.advertise, self.faults, settings.cluster_key)
         self.me = self.channel.me
         self.stop_requested = False
 
@@ -135,8 +135,12 @@ class WorkerBase:
         banner = self.safety.banner()
         if banner:
             print(banner, file=sys.stderr, flush=True)
-        log.info("%s worker %s ready (pool %d tokens, transfer %s)", self.role, self.me, self.settings.pool_tokens,
-                 self.settings.transfer)
+        key = self.settings.cluster_key
+        log.info("%s worker %s ready (pool %d tokens, transfer %s, %s)", self.role, self.me, self.settings.pool_tokens,
+                 self.settings.transfer, f"cluster {key.fingerprint}" if key else "no cluster key: loopback only")
+        caveat = self.settings.data_plane_caveat()
+        if caveat:
+            log.warning(caveat)
         self._latest_hello = self.hello()
         threading.Thread(target=self._heartbeat, name="kvfence-heartbeat", daemon=True).start()
         next_tick = 0.0
@@ -165,12 +169,13 @@ class WorkerBase:
     def _heartbeat(self) -> None:
         """Say Hello to the router every HEARTBEAT_S from a thread of its own, so a long step never looks like death.
 
-        Uses its own socket: ZeroMQ sockets are not thread-safe.
+        Uses its own socket: ZeroMQ sockets are not thread-safe. It also says (throttled) why
+        the router refuses this worker, should it (``HandshakeWatch``).
         """
-        sock = zmq.Context.instance().socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.settings.router)
+        sock = connect_push(zmq.Context.instance(), self.settings.router, self.settings.cluster_key)
+        watch = HandshakeWatch(sock, "router")
         while True:
+            watch.check()
             try:
                 sock.send(encode_message(self.me, self._latest_hello), zmq.NOBLOCK)
             except zmq.Again:

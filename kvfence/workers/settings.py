@@ -3,9 +3,10 @@ process) can build and pickle them without importing the worker code."""
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from dataclasses import dataclass
+
+from kvfence.cluster import ClusterKey, is_loopback, tcp_host
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class WorkerSettings:
     solo_threads: int = 0  # threads when the other role idles (decode: no prefill pending; prefill: idle_pair)
     log_level: str = "INFO"
     handoff_timeout: float = 30.0  # each handoff step (decode: pages, then Done; prefill: Dest) may take this long
+    cluster_key: ClusterKey | None = None  # membership (cluster.py); crosses the spawn in the pickle, never on disk
 
     def data_plane_options(self, side: str) -> dict:
         """Options for this worker's transfer backend (``side``: "target" on decode, "initiator" on prefill).
@@ -38,12 +40,16 @@ class WorkerSettings:
         On one host (loopback or ``ipc://`` control addresses) the backends' loopback defaults serve. A worker
         bound elsewhere serves peers on other hosts: tcp's target then listens on the ``--bind`` host and is
         dialled at the ``--advertise`` host, and Mooncake's engine runs on the advertised host. shm needs one
-        host and NIXL's UCX finds the interfaces itself.
+        host and NIXL's UCX finds the interfaces itself. With a cluster key, tcp gets the data-plane secret: its
+        connections then authenticate both ends before a byte lands, and encrypt KV beyond loopback.
         """
-        bind = _tcp_host(self.bind)
-        if bind is None or _loopback(bind):
+        return {**self._placement(side), **self._membership()}
+
+    def _placement(self, side: str) -> dict:
+        bind = tcp_host(self.bind)
+        if bind is None or is_loopback(bind):
             return {}
-        public = _tcp_host(self.advertise) if self.advertise else None
+        public = tcp_host(self.advertise) if self.advertise else None
         if public in _WILDCARDS:
             public = None
         if self.transfer == "tcp" and side == "target":
@@ -52,22 +58,20 @@ class WorkerSettings:
             return {"hostname": public or (socket.gethostname() if bind in _WILDCARDS else bind)}
         return {}
 
+    def data_plane_caveat(self) -> str | None:
+        """What this worker's data plane does not fence, for a warning at start (docs/architecture.md)."""
+        if self.transfer not in ("mooncake", "nixl"):
+            return None
+        return (f"{self.transfer} data plane: the engine authenticates no peer and listens on this host's network "
+                "interfaces whatever the control addresses, so any process that reaches its ports (and, for nixl, "
+                "learns this worker's metadata) could read or write this worker's KV memory. Run it only where a "
+                "firewall lets only the cluster's hosts reach them; --transfer tcp authenticates and encrypts")
+
+    def _membership(self) -> dict:
+        if self.transfer != "tcp" or self.cluster_key is None:
+            return {}
+        return {"secret": self.cluster_key.data_plane_secret}
+
 
 _WILDCARDS = ("*", "0.0.0.0", "::", "")
 
-
-def _tcp_host(address: str) -> str | None:
-    """The host of a ZeroMQ ``tcp://HOST:PORT`` address (brackets of an IPv6 host removed); None for other kinds."""
-    if not address.startswith("tcp://"):
-        return None
-    host = address[len("tcp://") :].rpartition(":")[0]
-    return host[1:-1] if host.startswith("[") else host
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name or an interface
