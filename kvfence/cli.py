@@ -373,6 +373,7 @@ def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_co
 def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
     """Serve the OpenAI API until Ctrl-C or SIGTERM; supervise local workers meanwhile."""
 
+    from kvfence.cluster import is_loopback
     from kvfence.router.app import create_app
     from kvfence.router.edge import uvicorn_config
     from kvfence.router.lifecycle import DrainingServer
@@ -391,6 +392,9 @@ def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
         print("kvfence: no --tenants file, so one open tenant 'default' takes any key. To require keys, write\n"
               '  [tenants.alice]\n  api_keys = ["sk-alice-..."]\nto tenants.toml and pass --tenants tenants.toml',
               file=sys.stderr)
+        if not is_loopback(args.host):
+            log.warning("--host %s without --tenants: every host that reaches port %d may use the API and read "
+                        "/metrics, without a key", args.host, args.port)
     limits = EdgeLimits(args.max_request_bytes, args.header_timeout, args.body_timeout,
                         args.max_connections_per_client, args.docs)
     app = create_app(engine, tokenizer, tenants, AuditLog(args.audit_log) if args.audit_log else None, limits)
