@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -178,19 +179,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_colocated(args)
     from kvfence.cluster import ClusterKey
     from kvfence.tools.audit import refuse_to_start_unless_fits
-    from kvfence.workers.supervisor import Supervisor, free_tcp_address
+    from kvfence.workers.supervisor import Supervisor, private_socket_dir
 
     key = cluster_key_or_exit(args, {}) or ClusterKey.generate()
     name, tokenizer, max_context = describe(args)
-    router_addr = free_tcp_address()
+    sockets = private_socket_dir()
+    router_addr = f"ipc://{sockets}/router"
     workers = []
     threads, solo = local_threads(args)
     for role, count, role_pool in (("prefill", args.prefill, args.prefill_pool_tokens),
                                    ("decode", args.decode, args.decode_pool_tokens)):
         pool = role_pool or args.kv_pool_tokens or default_pool_tokens(max_context, role)
         refuse_to_start_unless_fits(role, pool, args.page_size, max_context)
-        workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, pool,
-                                    threads=threads, solo_threads=solo[role], key=key) for _ in range(count)]
+        workers += [worker_settings(args, role, f"ipc://{sockets}/{role}-{i}", router_addr, max_context, pool,
+                                    threads=threads, solo_threads=solo[role], key=key) for i in range(count)]
     engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers), key)
     supervisor = Supervisor(workers, engine.worker_died)
     supervisor.start()
@@ -201,6 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_http(args, engine, tokenizer, supervisor)
     finally:
         supervisor.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

@@ -398,7 +398,8 @@ def test_rogue_worker_processes_never_join_and_receive_no_prompt(tmp_path, caplo
         assert len(members) == 2
         assert set(router.call(lambda: dict(router.engine.assigned))) == members
         assert all(procs[name].poll() is None for name in procs)  # the rogues are still up, still refused
-        assert "one side has no cluster key" in logs["keyless"].read_text()
+        keyless = logs["keyless"].read_text()  # which ZMTP error it sees depends on timing
+        assert "one side has no cluster key" in keyless or "the handshake broke off" in keyless, keyless[-2000:]
         assert "cannot join the router" in logs["stranger"].read_text()
         refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
         assert any("different cluster keys" in m for m in refusals), refusals  # the stranger

@@ -289,7 +289,8 @@ class LocalServer:
         return httpx.get(self.url + "/health", headers=headers, timeout=10).json()
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()[-6000:]
 
     def stop(self) -> int | None:

@@ -9,12 +9,20 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
 from kvfence.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+
+
+def private_socket_dir() -> str:
+    """A new directory only this user may enter (0700), for one deployment's control sockets (``ipc://``): unlike
+    loopback ports picked in advance, its paths cannot be taken by another process meanwhile, and no other user
+    can reach them. The caller removes it."""
+    return tempfile.mkdtemp(prefix="kvfence-")
 
 
 def free_tcp_address(host: str = "127.0.0.1") -> str:
