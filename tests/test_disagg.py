@@ -120,14 +120,20 @@ def test_killed_decode_worker_fails_its_requests_fast_and_comes_back(four_worker
     async def run():
         async with four_workers.async_client(timeout=60) as client:
             tasks = [asyncio.create_task(long_stream(client, i)) for i in range(6)]
+            # The victim: the decode worker holding the most streams (balancing by free pages may put them all on
+            # one), read as soon as all are placed. Once they stream, the router is too busy for a prompt answer,
+            # and the tiny model ends them within seconds.
+            while True:
+                decodes = await asyncio.to_thread(workers, four_workers, "decode")
+                if sum(d["in_flight"] for d in decodes.values()) == len(tasks):
+                    break
+                assert not any(t.done() for t in tasks), "a stream ended before all were placed"
+            victim["id"] = max(decodes, key=lambda w: decodes[w]["in_flight"])
+            victim["pid"] = decodes[victim["id"]]["pid"]
             while len(started) < len(tasks):  # kill as soon as every stream has its first token
                 assert not any(t.done() for t in tasks), "a stream ended before all had started"
                 await asyncio.sleep(0.02)
             assert not any(t.done() for t in tasks), "a stream ended before the kill"
-            # the decode worker holding the most streams (balancing by free pages may put them all on one)
-            decodes = await asyncio.to_thread(workers, four_workers, "decode")
-            victim["id"] = max(decodes, key=lambda w: decodes[w]["in_flight"])
-            victim["pid"] = decodes[victim["id"]]["pid"]
             os.kill(victim["pid"], signal.SIGKILL)
             return time.monotonic(), await asyncio.gather(*tasks)
 
