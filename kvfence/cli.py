@@ -90,6 +90,52 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                    help="serve /docs, /redoc and /openapi.json (otherwise 404): they map the whole API, /admin too")
 
 
+def add_capacity_args(p: argparse.ArgumentParser) -> None:
+    from kvfence.protocol.capacity import SCHEDULING, DispatchLimits, QueuePolicy
+
+    policy, limits = QueuePolicy(), DispatchLimits()
+    g = p.add_argument_group("capacity", "Requests wait in a queue per tenant until a worker has room; quotas per "
+                             "tenant (weight, max_concurrent_requests, max_queued, tokens_per_minute) live in the "
+                             "--tenants file.")
+    g.add_argument("--max-queued-requests", type=positive_int, default=policy.max_queued_requests, metavar="N",
+                   help="requests waiting for a worker, all tenants together; once N wait, a tenant holding an "
+                        "equal share of them or more gets 429 (others may still queue, up to 2N in all)")
+    g.add_argument("--scheduling", choices=SCHEDULING, default=policy.scheduling,
+                   help="order requests leave the queue in: fair (weighted fair queuing on tokens across tenants) "
+                        "or fcfs (first come, first served; for comparison)")
+    g.add_argument("--max-prefill-backlog-tokens", type=positive_int, default=limits.prefill_backlog_tokens,
+                   metavar="N", help="a prefill worker gets another prompt only while the prompt tokens it has not "
+                                     "yet handed to decode are fewer than N, so a newcomer never waits behind a "
+                                     "long prefill backlog (the queue decides who goes next)")
+    g.add_argument("--worker-grace", type=float, default=limits.worker_grace, metavar="S",
+                   help="seconds queued requests wait for a prefill or decode worker when none is live (one "
+                        "restarting) before they get 503")
+
+
+def capacity_of(args: argparse.Namespace, tenants):
+    """(QueuePolicy, DispatchLimits) from the capacity flags and the tenants file's quotas."""
+    from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
+
+    policy = QueuePolicy(tenants.quotas, args.max_queued_requests, args.scheduling)
+    return policy, DispatchLimits(prefill_backlog_tokens=args.max_prefill_backlog_tokens,
+                                  worker_grace=args.worker_grace)
+
+
+def load_tenants(args: argparse.Namespace):
+    """The --tenants file, checked before anything starts (a mistake exits with its message), or open mode."""
+    from kvfence.router.tenants import TenantConfigError, Tenants
+
+    if not args.tenants:
+        print("kvfence: no --tenants file, so one open tenant 'default' takes any key. To require keys, write\n"
+              '  [tenants.alice]\n  api_keys = ["sk-alice-..."]\nto tenants.toml and pass --tenants tenants.toml',
+              file=sys.stderr)
+        return Tenants.open()
+    try:
+        return Tenants.from_toml(args.tenants)
+    except TenantConfigError as e:
+        sys.exit(f"kvfence: --tenants {e}")
+
+
 def add_stop_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGINT or SIGTERM, stop accepting connections and let requests in flight finish for up "
@@ -114,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--transfer", choices=TRANSFERS, default="shm", help="KV data plane between the workers")
     serve.add_argument("--emulate-incident", action="store_true", help=argparse.SUPPRESS)  # test-only
     add_http_args(serve)
+    add_capacity_args(serve)
     add_model_args(serve)
     add_pool_args(serve, per_role=True)
     add_timeout_args(serve)
@@ -125,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--bind", default="tcp://0.0.0.0:5550", help="ZeroMQ address workers send to")
     router.add_argument("--advertise", default=None, help="address workers reach the router at (default: --bind)")
     add_http_args(router)
+    add_capacity_args(router)
     add_model_args(router)
     add_timeout_args(router)
     add_stop_args(router)
@@ -164,6 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvfence.tools.audit import refuse_to_start_unless_fits
     from kvfence.workers.supervisor import Supervisor, free_tcp_address
 
+    tenants = load_tenants(args)
     name, tokenizer, max_context = describe(args)
     router_addr = free_tcp_address()
     workers = []
@@ -174,22 +223,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         refuse_to_start_unless_fits(role, pool, args.page_size, max_context)
         workers += [worker_settings(args, role, free_tcp_address(), router_addr, max_context, pool,
                                     threads=threads, solo_threads=solo[role]) for _ in range(count)]
-    engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers))
+    engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers), tenants)
     supervisor = Supervisor(workers, engine.worker_died)
     supervisor.start()
     log.info("started %d prefill and %d decode workers (transfer %s, %s threads each%s)", args.prefill, args.decode,
              args.transfer, threads or "torch's default",
              "".join(f"; {role} {n} while the other role idles" for role, n in solo.items() if n))
     try:
-        return run_http(args, engine, tokenizer, supervisor)
+        return run_http(args, engine, tokenizer, tenants, supervisor)
     finally:
         supervisor.stop()
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    tenants = load_tenants(args)
     name, tokenizer, max_context = describe(args)
-    engine = make_remote_engine(args, args.bind, args.advertise, name, max_context, 0)
-    return run_http(args, engine, tokenizer, None)
+    engine = make_remote_engine(args, args.bind, args.advertise, name, max_context, 0, tenants)
+    return run_http(args, engine, tokenizer, tenants, None)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -211,8 +261,10 @@ def serve_colocated(args: argparse.Namespace) -> int:
     from kvfence.engine.engine import Engine
     from kvfence.engine.local import LocalEngine
     from kvfence.model.loader import freeze_loaded_objects
+    from kvfence.router.queued import QueuedEngine
     from kvfence.tools.audit import refuse_to_start_unless_fits
 
+    tenants = load_tenants(args)
     loaded, max_context = load(args)
     pool = args.kv_pool_tokens or default_pool_tokens(max_context, "colocated")
     refuse_to_start_unless_fits("colocated", pool, args.page_size, max_context)
@@ -225,7 +277,7 @@ def serve_colocated(args: argparse.Namespace) -> int:
              config.num_pages, config.page_size, engine.pool.nbytes / 2**20)
     client = LocalEngine(engine, args.served_model_name or loaded.name)
     try:
-        return run_http(args, client, loaded.tokenizer, None)
+        return run_http(args, QueuedEngine(client, *capacity_of(args, tenants)), loaded.tokenizer, tenants, None)
     finally:
         client.close()
 
@@ -310,35 +362,28 @@ def worker_settings(args, role: str, bind: str, router: str, max_context: int, p
         handoff_timeout=args.handoff_timeout)
 
 
-def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int):
+def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int, tenants):
     from kvfence.router.remote import RemoteEngine
     from kvfence.safety import Safety
 
+    policy, limits = capacity_of(args, tenants)
     return RemoteEngine(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected,
-                        silence_timeout=4 * args.handoff_timeout)
+                        silence_timeout=4 * args.handoff_timeout, policy=policy, limits=limits)
 
 
-def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
+def run_http(args: argparse.Namespace, engine, tokenizer, tenants, supervisor) -> int:
     """Serve the OpenAI API until Ctrl-C or SIGTERM; supervise local workers meanwhile."""
 
     from kvfence.router.app import create_app
     from kvfence.router.edge import uvicorn_config
     from kvfence.router.lifecycle import DrainingServer
     from kvfence.router.limits import EdgeLimits
-    from kvfence.router.tenants import Tenants
     from kvfence.safety import Safety
     from kvfence.tools.auditlog import AuditLog
 
     banner = Safety.from_env().banner()
     if banner:
         print(banner, file=sys.stderr, flush=True)
-    if args.tenants:
-        tenants = Tenants.from_toml(args.tenants)
-    else:
-        tenants = Tenants.open()
-        print("kvfence: no --tenants file, so one open tenant 'default' takes any key. To require keys, write\n"
-              '  [tenants.alice]\n  api_keys = ["sk-alice-..."]\nto tenants.toml and pass --tenants tenants.toml',
-              file=sys.stderr)
     limits = EdgeLimits(args.max_request_bytes, args.header_timeout, args.body_timeout,
                         args.max_connections_per_client, args.docs)
     app = create_app(engine, tokenizer, tenants, AuditLog(args.audit_log) if args.audit_log else None, limits)
