@@ -111,6 +111,16 @@ class Load:
             await asyncio.sleep(0.2)
 
 
+async def warm_up(url: str, model: str, words: int) -> None:
+    """A few requests of each shape, so that no measured round pays for a cold server (first forward passes,
+    kernel caches)."""
+    async with httpx.AsyncClient(timeout=3600) as http:
+        load = Load(url, model, http)
+        for n in (1, 4):
+            await asyncio.gather(*(load.stream("alice", make_prompt(10**6 + i, words), 16) for i in range(n)))
+        await load.stream("alice", "Say hello.", 4)
+
+
 async def run_for(seconds: float, jobs) -> None:
     """Run the coroutines for ``seconds``, then cancel them (their clients leave, queued or streaming)."""
     tasks = [asyncio.create_task(j) for j in jobs]
@@ -121,14 +131,19 @@ async def run_for(seconds: float, jobs) -> None:
 
 
 async def wait_idle(url: str, timeout: float = 120) -> None:
-    """Until the server holds no request (so that one phase's leftovers do not slow the next)."""
+    """Until the server holds no request (so that one phase's leftovers do not slow the next); then the router's
+    room accounting must be back at zero."""
     async with httpx.AsyncClient(timeout=10) as http:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             health = (await http.get(url + "/health", headers={"Authorization": f"Bearer {ADMIN_KEY}"})).json()
             if not health.get("in_flight") and not health.get("queued"):
+                held = {w: (i["backlog_tokens"], i["reserved_pages"]) for w, i in health["workers"].items()
+                        if i["backlog_tokens"] or i["reserved_pages"]}
+                assert not held, f"room still counted as taken when idle: {held}"
                 return
             await asyncio.sleep(0.5)
+        raise TimeoutError(f"{url} still busy after {timeout}s")
 
 
 def tenant_stats(records: list[Record], tenant: str, t0: float, t1: float, warmup: float) -> dict:
@@ -237,6 +252,8 @@ def main() -> None:
         client = Client(url + "/v1", None, "sk-alice")
         words = calibrate(client, args.flood_prompt)
         print(f"{args.flood_prompt}-token prompts: {words} filler words", file=sys.stderr, flush=True)
+        for server in servers.values():
+            asyncio.run(warm_up(server.url, client.model, words))
         rounds: dict[str, list[dict]] = {"fair": [], "fcfs": []}
         for i in range(args.rounds):
             for scheduling, server in servers.items():

@@ -90,6 +90,7 @@ class RemoteEngine:
     def _worker_health(self, info: WorkerInfo) -> dict:
         h = info.hello
         return {"role": h.role, "pid": h.pid, "in_flight": info.in_flight, "assigned": self.assigned.get(h.worker, 0),
+                "backlog_tokens": info.backlog_tokens, "reserved_pages": info.reserved_pages,
                 "free_pages": h.free_pages, "total_pages": h.total_pages, "quarantined_pages": h.quarantined_pages,
                 "quarantine_reasons": h.quarantine_reasons,
                 "running": h.running, "pool_tokens": h.pool_tokens, "max_context": h.max_context,
