@@ -9,9 +9,13 @@ first served (``--scheduling fcfs``), they wait for three rounds of bob's, longe
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
 import statistics
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -89,3 +93,33 @@ def test_a_flooding_tenant_does_not_queue_another_tenant_behind_it(tmp_path, sch
     assert len(alice) == 10 and len(bob) >= 8
     alice_median, bob_median = statistics.median(alice), statistics.median(bob)
     assert alice_median < 0.4 * bob_median, (alice, bob)  # fcfs: about 1.2x
+
+
+def test_a_request_sent_while_the_decode_worker_restarts_waits_for_it_instead_of_failing(tmp_path):
+    """Kill the decode worker; once the router has noticed, send a request: it waits in the queue for the
+    restarted worker (within --worker-grace) and is answered 200, where it used to get 503 at once."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TENANTS + '\n[admin]\napi_keys = ["sk-admin"]\n')
+    admin = {"Authorization": "Bearer sk-admin"}
+    with Server("--model", str(tiny_model_dir("llama")), "--max-context", "512", "--kv-pool-tokens", "2048",
+                "--tenants", str(tenants)) as server:
+        alice = server.client("sk-alice", timeout=120)
+        model = alice.models.list().data[0].id
+        detail = httpx.get(server.url + "/health", headers=admin, timeout=10).json()
+        [decode_pid] = [w["pid"] for w in detail["workers"].values() if w["role"] == "decode"]
+        os.kill(decode_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(w["role"] == "decode" for w in httpx.get(server.url + "/health", headers=admin,
+                                                            timeout=10).json()["workers"].values()):
+            assert time.monotonic() < deadline, "the router did not notice the dead decode worker"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        answer = alice.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=4, extra_body={"ignore_eos": True})
+        waited = time.monotonic() - t0
+        metrics = httpx.get(server.url + "/metrics", headers=admin, timeout=10).text
+    assert answer.usage.completion_tokens == 4
+    assert waited > 0.3  # it did wait for the new worker
+    assert 'kvfence_queue_time_seconds_count{tenant="alice"} 1.0' in metrics
+    queued = re.search(r'kvfence_queue_time_seconds_sum\{tenant="alice"\} (\S+)', metrics)
+    assert 0.3 < float(queued[1]) <= waited  # in the router's queue, not in a dead worker's
