@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import platform
 import signal
 import statistics
@@ -209,7 +210,7 @@ def cpu() -> dict:
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
                 platform.processor())
     flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
-    return {"model": name, "amx": "amx_tile" in flags.split(), "cores": len(__import__("os").sched_getaffinity(0))}
+    return {"model": name, "amx": "amx_tile" in flags.split(), "cores": len(os.sched_getaffinity(0))}
 
 
 def print_flood(label: str, result: dict) -> None:
@@ -241,6 +242,7 @@ def main() -> None:
     from kvfence.tools.soak import LocalServer
 
     tenants = tenants_file()
+    load_start = os.getloadavg()
     servers: dict[str, LocalServer] = {}
     try:
         for scheduling in ("fair", "fcfs"):
@@ -270,7 +272,8 @@ def main() -> None:
             s.stop()
         tenants.unlink()
 
-    report = {"cpu": cpu(), "args": vars(args), "flood": rounds, "weights": weighted}
+    report = {"cpu": cpu(), "load_average": {"start": load_start, "end": os.getloadavg()}, "args": vars(args),
+              "flood": rounds, "weights": weighted}
     if weighted:
         print("\n(b) weights 1:1:2, fair")
         print(f"{'tenant':<8}{'weight':>7}{'tok/s':>8}{'share/weight share':>20}{'done':>6}")
@@ -288,7 +291,8 @@ def main() -> None:
     for k in ("fair", "fcfs"):
         print(f"{k:<6}{totals[k]:>12.1f}{victim[k]:>11.2f}s{flooder[k]:>9.2f}s{victim[k] / flooder[k]:>11.2f}")
     print(f"fair / fcfs total throughput: {totals['fair'] / totals['fcfs']:.3f}")
-    print(f"CPU: {report['cpu']['model']} ({report['cpu']['cores']} cores, AMX: {report['cpu']['amx']})")
+    print(f"CPU: {report['cpu']['model']} ({report['cpu']['cores']} cores, AMX: {report['cpu']['amx']}); load "
+          f"average {load_start[0]:.1f} at the start, {report['load_average']['end'][0]:.1f} at the end")
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=lambda o: asdict(o)))
