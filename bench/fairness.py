@@ -189,6 +189,12 @@ async def weights(url: str, model: str, args, words: int) -> dict:
     return stats
 
 
+def median_of(rounds: list[dict], tenant: str) -> float:
+    """The median over rounds of ``tenant``'s median TTFT (rounds without one left out; NaN if none has)."""
+    values = [r[tenant]["ttft_median_s"] for r in rounds if r[tenant]["ttft_median_s"] is not None]
+    return statistics.median(values) if values else float("nan")
+
+
 def tenants_file() -> Path:
     lines = [f'[tenants.{t}]\napi_keys = ["sk-{t}"]\n' + (f"weight = {WEIGHTS[t]}\n" if t in WEIGHTS else "")
              for t in TENANTS]
@@ -281,8 +287,8 @@ def main() -> None:
             print(f"{t:<8}{s['weight']:>7}{s['output_tok_s']:>8.1f}{s['share_over_weight_share']:>20.2f}"
                   f"{s['completed']:>6}")
     totals = {k: statistics.median(r["total_output_tok_s"] for r in v) for k, v in rounds.items()}
-    victim = {k: statistics.median(r["alice"]["ttft_median_s"] or float("nan") for r in v) for k, v in rounds.items()}
-    flooder = {k: statistics.median(r["bob"]["ttft_median_s"] or float("nan") for r in v) for k, v in rounds.items()}
+    victim = {k: median_of(v, "alice") for k, v in rounds.items()}
+    flooder = {k: median_of(v, "bob") for k, v in rounds.items()}
     report["summary"] = {"total_output_tok_s": totals, "fair_over_fcfs_throughput": totals["fair"] / totals["fcfs"],
                          "alice_median_ttft_s": victim, "bob_median_ttft_s": flooder,
                          "alice_over_bob_ttft": {k: victim[k] / flooder[k] for k in victim}}
