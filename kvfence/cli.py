@@ -92,6 +92,7 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
 
 def add_capacity_args(p: argparse.ArgumentParser) -> None:
     from kvfence.protocol.capacity import SCHEDULING, DispatchLimits, QueuePolicy
+    from kvfence.router.limits import positive_seconds
 
     policy, limits = QueuePolicy(), DispatchLimits()
     g = p.add_argument_group("capacity", "Requests wait in a queue per tenant until a worker has room; quotas per "
@@ -107,7 +108,7 @@ def add_capacity_args(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="a prefill worker gets another prompt only while the prompt tokens it has not "
                                      "yet handed to decode are fewer than N, so a newcomer never waits behind a "
                                      "long prefill backlog (the queue decides who goes next)")
-    g.add_argument("--worker-grace", type=float, default=limits.worker_grace, metavar="S",
+    g.add_argument("--worker-grace", type=positive_seconds, default=limits.worker_grace, metavar="S",
                    help="seconds queued requests wait for a prefill or decode worker when none is live (one "
                         "restarting) before they get 503")
 
