@@ -97,6 +97,53 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                    help="serve /docs, /redoc and /openapi.json (otherwise 404): they map the whole API, /admin too")
 
 
+def add_capacity_args(p: argparse.ArgumentParser) -> None:
+    from kvfence.protocol.capacity import SCHEDULING, DispatchLimits, QueuePolicy
+    from kvfence.router.limits import positive_seconds
+
+    policy, limits = QueuePolicy(), DispatchLimits()
+    g = p.add_argument_group("capacity", "Requests wait in a queue per tenant until a worker has room; quotas per "
+                             "tenant (weight, max_concurrent_requests, max_queued, tokens_per_minute) live in the "
+                             "--tenants file.")
+    g.add_argument("--max-queued-requests", type=positive_int, default=policy.max_queued_requests, metavar="N",
+                   help="requests waiting for a worker, all tenants together; once N wait, a tenant holding an "
+                        "equal share of them or more gets 429 (others may still queue, up to 2N in all)")
+    g.add_argument("--scheduling", choices=SCHEDULING, default=policy.scheduling,
+                   help="order requests leave the queue in: fair (weighted fair queuing on tokens across tenants) "
+                        "or fcfs (first come, first served; for comparison)")
+    g.add_argument("--max-prefill-backlog-tokens", type=positive_int, default=limits.prefill_backlog_tokens,
+                   metavar="N", help="a prefill worker gets another prompt only while the prompt tokens it has not "
+                                     "yet handed to decode are fewer than N, so a newcomer never waits behind a "
+                                     "long prefill backlog (the queue decides who goes next)")
+    g.add_argument("--worker-grace", type=positive_seconds, default=limits.worker_grace, metavar="S",
+                   help="seconds queued requests wait for a prefill or decode worker when none is live (one "
+                        "restarting) before they get 503")
+
+
+def capacity_of(args: argparse.Namespace, tenants):
+    """(QueuePolicy, DispatchLimits) from the capacity flags and the tenants file's quotas."""
+    from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
+
+    policy = QueuePolicy(tenants.quotas, args.max_queued_requests, args.scheduling)
+    return policy, DispatchLimits(prefill_backlog_tokens=args.max_prefill_backlog_tokens,
+                                  worker_grace=args.worker_grace)
+
+
+def load_tenants(args: argparse.Namespace):
+    """The --tenants file, checked before anything starts (a mistake exits with its message), or open mode."""
+    from kvfence.router.tenants import TenantConfigError, Tenants
+
+    if not args.tenants:
+        print("kvfence: no --tenants file, so one open tenant 'default' takes any key. To require keys, write\n"
+              '  [tenants.alice]\n  api_keys = ["sk-alice-..."]\nto tenants.toml and pass --tenants tenants.toml',
+              file=sys.stderr)
+        return Tenants.open()
+    try:
+        return Tenants.from_toml(args.tenants)
+    except TenantConfigError as e:
+        sys.exit(f"kvfence: --tenants {e}")
+
+
 def add_stop_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGINT or SIGTERM, stop accepting connections and let requests in flight finish for up "
@@ -122,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--emulate-incident", action="store_true", help=argparse.SUPPRESS)  # test-only
     add_cluster_key_arg(serve, "the deployment's cluster key (default: a fresh one, made in memory at each start)")
     add_http_args(serve)
+    add_capacity_args(serve)
     add_model_args(serve)
     add_pool_args(serve, per_role=True)
     add_timeout_args(serve)
@@ -134,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--advertise", default=None, help="address workers reach the router at (default: --bind)")
     add_cluster_key_arg(router, "only holders of this key can join (required unless --bind is a loopback address)")
     add_http_args(router)
+    add_capacity_args(router)
     add_model_args(router)
     add_timeout_args(router)
     add_stop_args(router)
@@ -182,6 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvfence.workers.supervisor import Supervisor, private_socket_dir
 
     key = cluster_key_or_exit(args, {}) or ClusterKey.generate()
+    tenants = load_tenants(args)
     name, tokenizer, max_context = describe(args)
     sockets = private_socket_dir()
     router_addr = f"ipc://{sockets}/router"
@@ -193,14 +243,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         refuse_to_start_unless_fits(role, pool, args.page_size, max_context)
         workers += [worker_settings(args, role, f"ipc://{sockets}/{role}-{i}", router_addr, max_context, pool,
                                     threads=threads, solo_threads=solo[role], key=key) for i in range(count)]
-    engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers), key)
+    engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers), tenants, key)
     supervisor = Supervisor(workers, engine.worker_died)
     supervisor.start()
     log.info("started %d prefill and %d decode workers (transfer %s, %s threads each%s; cluster %s)", args.prefill,
              args.decode, args.transfer, threads or "torch's default",
              "".join(f"; {role} {n} while the other role idles" for role, n in solo.items() if n), key.fingerprint)
     try:
-        return run_http(args, engine, tokenizer, supervisor)
+        return run_http(args, engine, tokenizer, tenants, supervisor)
     finally:
         supervisor.stop()
         shutil.rmtree(sockets, ignore_errors=True)
@@ -208,9 +258,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_router(args: argparse.Namespace) -> int:
     key = cluster_key_or_exit(args, {"--bind": args.bind, "--advertise": args.advertise})
+    tenants = load_tenants(args)
     name, tokenizer, max_context = describe(args)
-    engine = make_remote_engine(args, args.bind, args.advertise, name, max_context, 0, key)
-    return run_http(args, engine, tokenizer, None)
+    engine = make_remote_engine(args, args.bind, args.advertise, name, max_context, 0, tenants, key)
+    return run_http(args, engine, tokenizer, tenants, None)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -265,8 +316,10 @@ def serve_colocated(args: argparse.Namespace) -> int:
     from kvfence.engine.engine import Engine
     from kvfence.engine.local import LocalEngine
     from kvfence.model.loader import freeze_loaded_objects
+    from kvfence.router.queued import QueuedEngine
     from kvfence.tools.audit import refuse_to_start_unless_fits
 
+    tenants = load_tenants(args)
     loaded, max_context = load(args)
     pool = args.kv_pool_tokens or default_pool_tokens(max_context, "colocated")
     refuse_to_start_unless_fits("colocated", pool, args.page_size, max_context)
@@ -279,7 +332,7 @@ def serve_colocated(args: argparse.Namespace) -> int:
              config.num_pages, config.page_size, engine.pool.nbytes / 2**20)
     client = LocalEngine(engine, args.served_model_name or loaded.name)
     try:
-        return run_http(args, client, loaded.tokenizer, None)
+        return run_http(args, QueuedEngine(client, *capacity_of(args, tenants)), loaded.tokenizer, tenants, None)
     finally:
         client.close()
 
@@ -364,16 +417,17 @@ def worker_settings(args, role: str, bind: str, router: str, max_context: int, p
         handoff_timeout=args.handoff_timeout, cluster_key=key)
 
 
-def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int,
+def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int, tenants,
                        key=None):
     from kvfence.router.remote import RemoteEngine
     from kvfence.safety import Safety
 
+    policy, limits = capacity_of(args, tenants)
     return RemoteEngine(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected,
-                        silence_timeout=4 * args.handoff_timeout, cluster_key=key)
+                        silence_timeout=4 * args.handoff_timeout, cluster_key=key, policy=policy, limits=limits)
 
 
-def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
+def run_http(args: argparse.Namespace, engine, tokenizer, tenants, supervisor) -> int:
     """Serve the OpenAI API until Ctrl-C or SIGTERM; supervise local workers meanwhile."""
 
     from kvfence.cluster import is_loopback
@@ -381,23 +435,15 @@ def run_http(args: argparse.Namespace, engine, tokenizer, supervisor) -> int:
     from kvfence.router.edge import uvicorn_config
     from kvfence.router.lifecycle import DrainingServer
     from kvfence.router.limits import EdgeLimits
-    from kvfence.router.tenants import Tenants
     from kvfence.safety import Safety
     from kvfence.tools.auditlog import AuditLog
 
     banner = Safety.from_env().banner()
     if banner:
         print(banner, file=sys.stderr, flush=True)
-    if args.tenants:
-        tenants = Tenants.from_toml(args.tenants)
-    else:
-        tenants = Tenants.open()
-        print("kvfence: no --tenants file, so one open tenant 'default' takes any key. To require keys, write\n"
-              '  [tenants.alice]\n  api_keys = ["sk-alice-..."]\nto tenants.toml and pass --tenants tenants.toml',
-              file=sys.stderr)
-        if not is_loopback(args.host):
-            log.warning("--host %s without --tenants: every host that reaches port %d may use the API and read "
-                        "/metrics, without a key", args.host, args.port)
+    if tenants.is_open and not is_loopback(args.host):
+        log.warning("--host %s without --tenants: every host that reaches port %d may use the API and read /metrics, "
+                    "without a key", args.host, args.port)
     limits = EdgeLimits(args.max_request_bytes, args.header_timeout, args.body_timeout,
                         args.max_connections_per_client, args.docs)
     app = create_app(engine, tokenizer, tenants, AuditLog(args.audit_log) if args.audit_log else None, limits)

@@ -6,6 +6,7 @@ raises one, the router can hand it to the client unchanged.
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -67,6 +68,26 @@ class NotFound(KvfenceError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class TooManyRequests(KvfenceError):
+    """429 in OpenAI's shape (``type`` "requests" or "tokens", ``code`` rate_limit_exceeded, as OpenAI's own rate
+    limits), with a ``Retry-After`` header: whole seconds until the request would fit, at least 1.
+
+    ``reason`` says which limit refused it (for metrics): ``tenant_queue_full``, ``server_queue_full``,
+    ``tokens_per_minute`` or ``tokenization_backlog``.
+    """
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, reason: str = "rate_limited",
+                 kind: str = "requests") -> None:
+        super().__init__(message)
+        self.type, self.reason = kind, reason
+        self.retry_after = max(1, math.ceil(retry_after))
+        self.headers = {"Retry-After": str(self.retry_after)}
 
 
 class ServiceUnavailable(KvfenceError):
@@ -141,6 +162,8 @@ class RequestOutput:
     completion_tokens: int = 0
     pages: list[tuple[int, int]] | None = None  # on the last output: the (page, epoch) grants the request read
     verification: str | None = None  # on the last output: how its landed KV was verified
+    queue_time: float | None = None  # on the first output: seconds the request waited in the router's queue
+    preemptions: int = 0  # on the last output: times a worker preempted it (reported by the worker side)
 
     @property
     def finished(self) -> bool:

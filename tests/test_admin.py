@@ -378,7 +378,8 @@ def test_admin_metrics_and_audit_log_on_a_real_server(tmp_path):
                  'kvfence_requests_total{status="503",tenant="bob"} 1.0',
                  'kvfence_requests_total{status="200",tenant="alice"} 1.0',
                  'kvfence_output_tokens_total{tenant="bob"} 8.0',
-                 'kvfence_time_to_first_token_seconds_count 3.0',
+                 'kvfence_time_to_first_token_seconds_count{tenant="bob"} 2.0',
+                 'kvfence_time_to_first_token_seconds_count{tenant="alice"} 1.0',
                  'kvfence_rejections_total{layer="none",reason="model_not_found"} 1.0',
                  f'kvfence_kv_pages_total{{role="decode",worker="{decode["id"]}"}}'):
         assert line in metrics, line

@@ -58,7 +58,7 @@ async def scrape(c: httpx.AsyncClient) -> str:
 @pytest.mark.anyio
 async def test_requests_tokens_and_latencies_are_counted_by_tenant_and_status():
     async with asgi(FakeEngine()) as c:
-        assert value(await scrape(c), "kvfence_time_to_first_token_seconds_count") == 0
+        assert value(await scrape(c), "kvfence_time_to_first_token_seconds_count", tenant="alice") is None
         await c.post("/v1/chat/completions", json=chat_body(), headers=ALICE)
         await c.post("/v1/chat/completions", json=chat_body(stream=True), headers=ALICE)
         await c.post("/v1/chat/completions", json=chat_body("x" * 100), headers=BOB)
@@ -72,7 +72,8 @@ async def test_requests_tokens_and_latencies_are_counted_by_tenant_and_status():
     assert value(text, "kvfence_output_tokens_total", tenant="alice") == 6
     assert value(text, "kvfence_rejections_total", layer="admission", reason="context_length_exceeded") == 1
     assert value(text, "kvfence_rejections_total", layer="none", reason="model_not_found") == 1
-    assert value(text, "kvfence_time_to_first_token_seconds_count") == 2  # one per request with tokens
+    # one per request with tokens, by tenant
+    assert value(text, "kvfence_time_to_first_token_seconds_count", tenant="alice") == 2
     assert value(text, "kvfence_time_per_output_token_seconds_count") == 4  # the 2 later tokens of each
     assert "sk-alice" not in text and "sk-bob" not in text and ADMIN_KEY not in text
 

@@ -62,6 +62,13 @@ def test_each_layer_switched_off_gives_a_short_readable_counterexample(layer):
     assert "  1. client" in text  # numbered steps, from the first submission
 
 
+def test_the_router_queue_with_production_dispatch_limits_explores_without_violation():
+    """The router holds B in its queue until A ends (A's reservation fills the 3-page pool), through crashes,
+    restarts (queued meanwhile, not failed), disconnects while queued and every data-plane fault."""
+    res = explore(CheckConfig(router_gate=True))
+    assert res.ok and res.complete and res.quiescent > 0, res.report()
+
+
 def test_a_prefill_with_a_smaller_context_than_the_router_is_safe_with_every_layer_on():
     res = explore(CheckConfig(prefill_max_context=5, faults=Faults(total=0)))
     assert res.ok, res.report()

@@ -143,6 +143,7 @@ class Output(RequestMsg, frozen=True):
     completion_tokens: int = 0
     pages: list[tuple[int, int]] | None = None  # last only: (page, epoch) grants read
     verification: str | None = None  # last only: how the landed KV was verified
+    preemptions: int = 0  # last only: times decode preempted this request (the router counts them per tenant)
 
 
 class Reject(RequestMsg, frozen=True):

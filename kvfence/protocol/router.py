@@ -1,14 +1,28 @@
-"""Router's protocol core: admission, pairing, and turning worker messages into client results.
+"""Router's protocol core: admission, the per-tenant queue, pairing, and turning worker messages into client results.
 
-Sans-IO: ``submit``, ``client_gone``, ``handle``, ``worker_up`` and
-``worker_down`` go in; ``Send`` and ``Deliver`` actions come out. ``drained``
-is the set of workers an operator has taken out of rotation.
+Sans-IO: ``submit``, ``client_gone``, ``handle``, ``worker_up``,
+``worker_down``, ``set_drained`` and ``tick`` go in (time as arguments);
+``Send`` and ``Deliver`` actions come out. ``drained`` is the set of workers
+an operator has taken out of rotation.
 
-Per request: HANDOFF (sent to a prefill/decode pair, no token yet) ->
-STREAMING (tokens arriving) -> ended.
+Per request: QUEUED (in ``queue``, see ``protocol/capacity.py``) -> HANDOFF
+(sent to a prefill/decode pair, no token yet) -> STREAMING (tokens arriving)
+-> ended.
 
 Contracts:
 - Over-length input is rejected before anything is sent to a worker (L1).
+- Then the tenant's quotas: a full queue or an empty token bucket answers 429
+  with ``Retry-After`` at once; otherwise the request waits in its tenant's
+  queue. Requests leave the queue in weighted fair order, only for a pair
+  with room for them (``DispatchLimits``), and the dispatcher runs again on
+  every event that may make room: a request's handoff or life ending, a
+  Hello, a worker joining or leaving, an undrain, a tick.
+- A request waits rather than fails while workers restart: it gets 503 only
+  when no worker can serve it (every worker of a role drained, no pool in
+  rotation large enough), or once a role has had no live worker for
+  ``DispatchLimits.worker_grace`` seconds.
+- A client that leaves while queued is simply removed. Queue time never
+  counts toward the silence timeout.
 - An error from either leg ends the request with that error (L2); a request
   that any leg rejected never delivers a token afterwards.
 - A client that leaves during HANDOFF has its cancel held back until the
@@ -30,8 +44,11 @@ from enum import Enum
 
 from kvfence.core import ContextLengthExceeded, KvfenceError, Request, ServiceUnavailable
 from kvfence.protocol.actions import Action, Deliver, Send
+from kvfence.protocol.capacity import DispatchLimits, FairQueue, QueuePolicy
 from kvfence.protocol.messages import Admit, Cancel, Hello, Message, Output, Params, Peers, Prefill, Reject, WorkerDown
 from kvfence.safety import Safety
+
+ROLES = ("prefill", "decode")
 
 
 class RState(Enum):
@@ -45,6 +62,8 @@ class RouterReq:
     tenant: str
     prefill: str
     decode: str
+    prompt_tokens: int = 0  # counted in its prefill worker's backlog until the handoff ends
+    reserved_pages: int = 0  # counted against its decode worker's pages until it ends
     state: RState = RState.HANDOFF
     cancel_pending: bool = False
     delivered: int = 0  # completion tokens delivered so far
@@ -59,50 +78,53 @@ class WorkerInfo:
     hello: Hello
     in_flight: int = 0
     pages_promised: int = 0  # decode: prompt pages of the requests sent to it since that Hello
+    backlog_tokens: int = 0  # prefill: prompt tokens of its requests still in their handoff
+    reserved_pages: int = 0  # decode: pages reserved for its requests (prompt and expected output)
 
     def projected_free_pages(self) -> int:
-        """Free pages once the requests sent since the last Hello are granted: each counts for its prompt's
-        pages, not as one page whatever its length."""
-        return self.hello.free_pages - self.pages_promised
+        """Free pages once the requests sent since the last Hello are granted (each for its prompt's pages), and
+        no more than the reservations leave."""
+        return min(self.hello.free_pages - self.pages_promised, self.usable_pages() - self.reserved_pages)
+
+    def usable_pages(self) -> int:
+        return (self.hello.total_pages or self.hello.pool_tokens) - self.hello.quarantined_pages
+
+    def pages(self, tokens: int) -> int:
+        """Pages for ``tokens`` (a Hello without a page count: count tokens)."""
+        page = self.hello.pool_tokens // self.hello.total_pages if self.hello.total_pages else 1
+        return -(-tokens // page)
 
     def promise(self, tokens: int) -> None:
-        # a Hello without a page count: count tokens
-        page = self.hello.pool_tokens // self.hello.total_pages if self.hello.total_pages else 1
-        self.pages_promised += -(-tokens // page)
+        self.pages_promised += self.pages(tokens)
 
 
 class RouterCore:
-    def __init__(self, me: str, max_context: int, safety: Safety, silence_timeout: float = 120.0) -> None:
+    def __init__(self, me: str, max_context: int, safety: Safety, silence_timeout: float = 120.0,
+                 policy: QueuePolicy | None = None, limits: DispatchLimits | None = None) -> None:
         self.me, self.max_context, self.safety = me, max_context, safety
         self.silence_timeout = silence_timeout
+        self.limits = limits or DispatchLimits()
+        self.queue = FairQueue(policy)
         self.reqs: dict[int, RouterReq] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.drained: set[str] = set()  # worker ids; kept across a worker's death, so a restart stays drained
+        self.absent_since: dict[str, float] = {}  # role -> when it was first seen without a live worker
 
     # -- clients -----------------------------------------------------------------
 
-    def submit(self, req: Request) -> list[Action]:
-        """A client's request, tokenized. Either sends it to a pair, or delivers its error at once."""
-        err = self._admission_error(req)
-        if err is None:
-            pair = self._pick_pair(req)
-            if pair is None:
-                err = self._no_pair_error()
+    def submit(self, req: Request, now: float = 0.0) -> list[Action]:
+        """A client's request, tokenized: L1 admission, then quotas, then the queue. Delivers its error at once, or
+        queues it and dispatches what may go now."""
+        self._see_roles(now)
+        err = self._admission_error(req) or self._unservable(req) or self._absent_error(now) \
+            or self.queue.add(req, now)
         if err is not None:
             return [Deliver(req.rid, error=err)]
-        prefill, decode = pair
-        self.reqs[req.rid] = RouterReq(req.rid, req.tenant, prefill, decode)
-        idle_pair = self.workers[prefill].in_flight == self.workers[decode].in_flight == 0
-        self.workers[prefill].in_flight += 1
-        self.workers[decode].in_flight += 1
-        self.workers[decode].promise(req.prompt_len)
-        params = Params.of(req.params)
-        return [
-            Send(decode, Admit(req.rid, req.tenant, req.prompt_ids, params, prefill)),
-            Send(prefill, Prefill(req.rid, req.tenant, req.prompt_ids, params, decode, idle_pair)),
-        ]
+        return self._dispatch()
 
     def client_gone(self, rid: int) -> list[Action]:
+        if self.queue.withdraw(rid) is not None:
+            return []
         req = self.reqs.get(rid)
         if req is None:
             return []
@@ -110,10 +132,11 @@ class RouterCore:
             req.cancel_pending = True  # L7: cancel once the handoff has ended
             return []
         self._end(req)
-        return [Send(req.decode, Cancel(rid))]
+        return [Send(req.decode, Cancel(rid))] + self._dispatch()
 
     def tick(self, now: float) -> list[Action]:
-        """End every request that has heard nothing from its workers for ``silence_timeout`` seconds."""
+        """End every request that has heard nothing from its workers for ``silence_timeout`` seconds; fail the
+        queue with 503 once a role has had no live worker for the grace period; dispatch."""
         actions: list[Action] = []
         for req in list(self.reqs.values()):
             if req.heard or req.quiet_since is None:
@@ -123,7 +146,23 @@ class RouterCore:
                 err = ServiceUnavailable(f"no word from this request's prefill and decode workers for "
                                          f"{self.silence_timeout:.0f}s", code="worker_silent")
                 actions += [Send(req.decode, Cancel(req.rid)), Deliver(req.rid, error=err)]
-        return actions
+        self._see_roles(now)
+        absent = self._absent_error(now)
+        if absent is not None:
+            actions += self._fail_queued(lambda req: absent)
+        return actions + self._dispatch()
+
+    def set_drained(self, worker: str, drained: bool) -> list[Action]:
+        """Take ``worker`` out of rotation or put it back. Queued requests that no worker in rotation can serve
+        any more get 503; an undrained worker gets work at once."""
+        if drained:
+            self.drained.add(worker)
+        else:
+            self.drained.discard(worker)
+        return self._fail_queued(self._unservable) + self._dispatch()
+
+    def queued(self) -> int:
+        return len(self.queue)
 
     # -- workers -----------------------------------------------------------------
 
@@ -151,6 +190,7 @@ class RouterCore:
         if info is not None and hello.role == "decode" and info.hello.pid != hello.pid:
             actions, info = self.worker_down(hello.worker), None
         news = info is None or info.hello.data != hello.data
+        self.absent_since.pop(hello.role, None)
         if info is None:
             self.workers[hello.worker] = WorkerInfo(hello)
         else:
@@ -158,11 +198,12 @@ class RouterCore:
         peers = self._peers()
         if hello.role == "prefill":  # anti-entropy: a prefill whose Peers went missing gets them again
             stale = hello.data.get("peers") != peers.digest()
-            return actions + ([Send(hello.worker, peers)] if stale else [])
-        return actions + ([Send(p, peers) for p in self._role("prefill")] if news else [])
+            return actions + ([Send(hello.worker, peers)] if stale else []) + self._dispatch()
+        return actions + ([Send(p, peers) for p in self._role("prefill")] if news else []) + self._dispatch()
 
     def worker_down(self, worker: str) -> list[Action]:
-        """``worker`` died: its requests end with a 503 now; their other legs are cancelled."""
+        """``worker`` died: its requests end with a 503 now; their other legs are cancelled. Queued requests wait for
+        a worker of its role (``DispatchLimits.worker_grace``)."""
         info = self.workers.pop(worker, None)
         if info is None:
             return []
@@ -174,7 +215,7 @@ class RouterCore:
                 actions.append(Deliver(req.rid, error=ServiceUnavailable(died)))
                 if req.decode != worker:
                     actions.append(Send(req.decode, Cancel(req.rid)))
-        return actions
+        return actions + self._dispatch()
 
     # -- internals ---------------------------------------------------------------
 
@@ -190,18 +231,22 @@ class RouterCore:
             self._end(req)
             err = ServiceUnavailable(f"lost part of the output stream (token {req.delivered} of {first})",
                                      code="output_lost")
-            return [Send(req.decode, Cancel(req.rid))] + ([] if req.cancel_pending else [Deliver(req.rid, error=err)])
+            return [Send(req.decode, Cancel(req.rid))] + ([] if req.cancel_pending else [Deliver(req.rid, error=err)]) \
+                + self._dispatch()
+        self.queue.charge(req.tenant, msg.completion_tokens - req.delivered)
         req.delivered = msg.completion_tokens
-        actions: list[Action] = []
         if req.cancel_pending:  # the client left during the handoff, which has now ended
             self._end(req)
-            if msg.finish_reason is None:
-                actions.append(Send(req.decode, Cancel(req.rid)))
-            return actions
-        req.state = RState.STREAMING
+            cancel = [Send(req.decode, Cancel(req.rid))] if msg.finish_reason is None else []
+            return cancel + self._dispatch()
+        deliver: list[Action] = [Deliver(msg.rid, output=msg)]
         if msg.finish_reason is not None:
             self._end(req)
-        return [Deliver(msg.rid, output=msg)]
+            return deliver + self._dispatch()
+        if req.state is RState.HANDOFF:  # the first token: prefill is done with it
+            self._handoff_ended(req)
+            return deliver + self._dispatch()
+        return deliver
 
     def _reject(self, sender: str, msg: Reject) -> list[Action]:
         req = self.reqs.get(msg.rid)
@@ -214,7 +259,7 @@ class RouterCore:
         actions: list[Action] = [] if req.cancel_pending else [Deliver(req.rid, error=msg.error.to_error())]
         if sender == req.prefill:
             actions.append(Send(req.decode, Cancel(req.rid)))
-        return actions
+        return actions + self._dispatch()
 
     def in_handoff(self) -> int:
         """Requests sent to a pair whose KV transfer has not yet ended (no token has come back)."""
@@ -227,10 +272,20 @@ class RouterCore:
         return Peers({w: self.workers[w].hello.data for w in self._role("decode")})
 
     def _end(self, req: RouterReq) -> None:
+        if req.state is RState.HANDOFF:
+            self._handoff_ended(req)
         del self.reqs[req.rid]
+        self.queue.ended(req.tenant)
         for w in (req.prefill, req.decode):
             if w in self.workers:
                 self.workers[w].in_flight -= 1
+        if req.decode in self.workers:
+            self.workers[req.decode].reserved_pages -= req.reserved_pages
+
+    def _handoff_ended(self, req: RouterReq) -> None:
+        req.state = RState.STREAMING
+        if req.prefill in self.workers:
+            self.workers[req.prefill].backlog_tokens -= req.prompt_tokens
 
     def _admission_error(self, req: Request) -> KvfenceError | None:
         """L1 at the router: the context, and the largest pools any pair offers."""
@@ -247,23 +302,104 @@ class RouterCore:
             return ContextLengthExceeded(n, 0, max(prefills), "prefill KV pool")
         return None
 
+    def _unservable(self, req: Request) -> ServiceUnavailable | None:
+        """503 when live workers of a role exist but none in rotation could ever take ``req``: all drained, or
+        the pools of those in rotation too small (a role with no live worker at all is waited for)."""
+        for role in ROLES:
+            live = self._role(role)
+            if live and not self._fitting(role, req):
+                if not self._rotation(role):
+                    return ServiceUnavailable(f"Every {role} worker is drained; try again later.")
+                return ServiceUnavailable("No prefill/decode worker pair is available; try again shortly.")
+        return None
+
+    def _see_roles(self, now: float) -> None:
+        for role in ROLES:
+            if self._role(role):
+                self.absent_since.pop(role, None)
+            else:
+                self.absent_since.setdefault(role, now)
+
+    def _absent_error(self, now: float) -> ServiceUnavailable | None:
+        """503 once a role has had no live worker for longer than the grace period."""
+        for role, since in self.absent_since.items():
+            if now - since > self.limits.worker_grace:
+                return ServiceUnavailable(f"No {role} worker has been available for {now - since:.0f}s; try again "
+                                          "later.", code="no_workers")
+        return None
+
+    def _fail_queued(self, error_of) -> list[Action]:
+        """Deliver ``error_of(req)`` to every queued request it names an error for, and drop them."""
+        actions: list[Action] = []
+        for entry in list(self.queue.entries()):
+            err = error_of(entry.req)
+            if err is not None:
+                self.queue.withdraw(entry.req.rid)
+                actions.append(Deliver(entry.req.rid, error=err))
+        return actions
+
+    def _dispatch(self) -> list[Action]:
+        """Send queued requests, in the queue's order, while the next one has a pair with room for it."""
+        actions: list[Action] = []
+        while (entry := self.queue.next()) is not None:
+            req = entry.req
+            err = self._admission_error(req) or self._unservable(req)  # the pools may have changed while it waited
+            if err is not None:
+                self.queue.withdraw(req.rid)
+                actions.append(Deliver(req.rid, error=err))
+                continue
+            pair = self._pick_pair(req)
+            if pair is None:
+                break
+            self.queue.start(entry)
+            actions += self._send(req, *pair)
+        return actions
+
+    def _send(self, req: Request, prefill: str, decode: str) -> list[Action]:
+        p, d = self.workers[prefill], self.workers[decode]
+        reserved = d.pages(req.prompt_len + self._output_reserve(req))
+        self.reqs[req.rid] = RouterReq(req.rid, req.tenant, prefill, decode, req.prompt_len, reserved)
+        idle_pair = p.in_flight == d.in_flight == 0
+        p.in_flight += 1
+        d.in_flight += 1
+        p.backlog_tokens += req.prompt_len
+        d.reserved_pages += reserved
+        d.promise(req.prompt_len)
+        params = Params.of(req.params)
+        return [
+            Send(decode, Admit(req.rid, req.tenant, req.prompt_ids, params, prefill)),
+            Send(prefill, Prefill(req.rid, req.tenant, req.prompt_ids, params, decode, idle_pair)),
+        ]
+
+    def _output_reserve(self, req: Request) -> int:
+        reserve = self.limits.output_reserve_tokens
+        return min(req.params.max_tokens, reserve) if reserve is not None else 0
+
     def _pick_pair(self, req: Request) -> tuple[str, str] | None:
-        """Least-loaded prefill by queued tokens, decode by projected free pages, among those that fit the request."""
-        n, m = req.prompt_len, req.params.max_tokens
-        prefills = [w for w in self._rotation("prefill") if n <= w.hello.pool_tokens or not self.safety.admission]
-        decodes = [w for w in self._rotation("decode") if n + m <= w.hello.pool_tokens or not self.safety.admission]
+        """Among the workers that fit the request and have room for it now: the least-loaded prefill by backlog,
+        the decode with the most projected free pages."""
+        prefills = [w for w in self._fitting("prefill", req) if self._prefill_has_room(w)]
+        decodes = [w for w in self._fitting("decode", req) if self._decode_has_room(w, req)]
         if not prefills or not decodes:
             return None
-        prefill = min(prefills, key=lambda w: (w.hello.queued_tokens + w.in_flight * n, w.hello.worker))
+        prefill = min(prefills, key=lambda w: (w.backlog_tokens, w.hello.queued_tokens, w.hello.worker))
         decode = min(decodes, key=lambda w: (-w.projected_free_pages(), w.in_flight, w.hello.worker))
         return prefill.hello.worker, decode.hello.worker
+
+    def _fitting(self, role: str, req: Request) -> list[WorkerInfo]:
+        """The workers of ``role`` in rotation whose pool could hold ``req`` (prefill: its prompt; decode: all)."""
+        n = req.prompt_len + (req.params.max_tokens if role == "decode" else 0)
+        return [w for w in self._rotation(role) if n <= w.hello.pool_tokens or not self.safety.admission]
+
+    def _prefill_has_room(self, w: WorkerInfo) -> bool:
+        bound = self.limits.prefill_backlog_tokens
+        return bound is None or w.backlog_tokens == 0 or w.backlog_tokens < bound
+
+    def _decode_has_room(self, w: WorkerInfo, req: Request) -> bool:
+        if self.limits.output_reserve_tokens is None or w.in_flight == 0:
+            return True
+        return w.reserved_pages + w.pages(req.prompt_len + self._output_reserve(req)) <= w.usable_pages()
 
     def _rotation(self, role: str) -> list[WorkerInfo]:
         """The live workers of ``role`` that are not drained."""
         return [w for w in self.workers.values() if w.hello.role == role and w.hello.worker not in self.drained]
-
-    def _no_pair_error(self) -> ServiceUnavailable:
-        for role in ("prefill", "decode"):
-            if self._role(role) and not self._rotation(role):
-                return ServiceUnavailable(f"Every {role} worker is drained; try again later.")
-        return ServiceUnavailable("No prefill/decode worker pair is available; try again shortly.")

@@ -91,7 +91,7 @@ def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants, audit: Au
     """
     limits = limits or EdgeLimits()
     engine = managed(engine)
-    metrics = Metrics(engine)
+    metrics = Metrics(engine, () if tenants.is_open else tenants.names)
     access = ModelAccess()
     max_bytes = limits.request_bytes(engine.max_context)
     server = OpenAIServer(engine, tokenizer, access, Ledger(engine, metrics, audit or AuditLog.null()),
@@ -418,6 +418,8 @@ class Generation:
         except StopAsyncIteration:
             raise KvfenceError("The engine ended the request without finishing it.") from None
         self._check(out)
+        if out.queue_time is not None:
+            self.ledger.metrics.queued(self.request.tenant, out.queue_time)
         self._time(len(out.token_ids))
         self._tokens += len(out.token_ids)
         self._last = out
@@ -461,7 +463,7 @@ class Generation:
             return
         now = time.monotonic()
         if self._tokens == 0:
-            self.ledger.metrics.first_token(now - self._started)
+            self.ledger.metrics.first_token(self.request.tenant, now - self._started)
         else:
             self.ledger.metrics.later_tokens(now - self._token_at, tokens)
         self._token_at = now

@@ -22,20 +22,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvfence.core import KvfenceError
+from kvfence.core import TooManyRequests
 
 T = TypeVar("T")
 MIN_JOB_COST = 16 * 1024  # bytes: what a job counts at least, so many tiny jobs are bounded too
 THREADS = 2
-
-
-class TooManyRequests(KvfenceError):
-    """429 in OpenAI's shape (``type`` and ``code`` as OpenAI's own rate limits), with ``Retry-After``."""
-
-    status = 429
-    type = "requests"
-    code = "rate_limit_exceeded"
-    headers = {"Retry-After": "1"}
 
 
 @dataclass(eq=False)
@@ -65,7 +56,8 @@ class FairPool:
         cost = max(cost, MIN_JOB_COST)
         pending = self._pending_cost[tenant]
         if pending and pending + cost > self.max_pending_cost:
-            raise TooManyRequests("Too many requests of this API key are waiting to be tokenized; retry shortly.")
+            raise TooManyRequests("Too many requests of this API key are waiting to be tokenized; retry shortly.",
+                                  reason="tokenization_backlog")
         job = _Job(fn, cost)
         self._pending_cost[tenant] += cost
         self._waiting.setdefault(tenant, deque()).append(job)

@@ -52,7 +52,8 @@ class Ledger:
         """Log, count and audit ``end``. An audit log that cannot be written is logged, not raised."""
         log.info("request tenant=%s rid=%032x prompt_tokens=%d completion_tokens=%d status=%d",
                  end.tenant, end.rid, end.prompt_tokens, end.output_tokens, end.status)
-        self.metrics.request_ended(end.tenant, end.status, end.error, end.output_tokens)
+        preemptions = end.last.preemptions if end.last is not None else 0
+        self.metrics.request_ended(end.tenant, end.status, end.error, end.output_tokens, preemptions)
         try:
             self.audit.write(self.audit_record(end))
         except OSError:

@@ -14,8 +14,16 @@ Metrics:
 - ``kvfence_output_tokens_total{tenant}``: tokens generated.
 - ``kvfence_auth_failures_total{reason}``: requests refused for their key (401 and 403): ``missing_key``,
   ``unknown_key`` or ``wrong_key_kind``.
-- ``kvfence_time_to_first_token_seconds``, ``kvfence_time_per_output_token_seconds``: histograms, measured at
-  the router from admission.
+- ``kvfence_time_to_first_token_seconds{tenant}``, ``kvfence_time_per_output_token_seconds``: histograms,
+  measured at the router from admission (queue time included).
+- ``kvfence_queue_time_seconds{tenant}``: histogram of the time requests waited in the router's queue for a
+  worker (observed when they start; requests that never started are not in it).
+- ``kvfence_queue_length{tenant}``: requests waiting in the router's queue now (every tenant of the tenants file,
+  and any other seen).
+- ``kvfence_rate_limited_total{tenant,reason}``: 429s, by the limit that refused: ``tenant_queue_full``,
+  ``server_queue_full``, ``tokens_per_minute``, ``tokenization_backlog``.
+- ``kvfence_preemptions_total{tenant}``: times a worker preempted a request of the tenant (counted when the
+  request ends, from its last output's ``preemptions``; decode workers report them).
 - ``kvfence_kv_pages_total{worker,role}``, ``kvfence_kv_pages_in_use{worker,role}``,
   ``kvfence_kv_pages_quarantined{worker,role}``: each worker's KV pool, from its latest heartbeat.
 - ``kvfence_kv_transfers_in_flight``: requests sent to a prefill/decode pair whose KV has not yet landed.
@@ -29,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfence.core import KvfenceError
+from kvfence.core import KvfenceError, TooManyRequests
 from kvfence.engine.client import EngineClient
 from kvfence.router.admin import LOCAL_WORKER
 
@@ -41,7 +49,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     """The app's registry and the request-level instruments."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, tenants: tuple[str, ...] = ()) -> None:
+        """``tenants``: names whose queue length is shown even before their first request."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvfence_requests", "Requests that ended, by tenant and HTTP status.",
@@ -54,23 +63,37 @@ class Metrics:
         self.auth_failures = Counter("kvfence_auth_failures", "Requests refused for their API key (401 and 403), "
                                      "by reason.", ["reason"], registry=r)
         self.ttft = Histogram("kvfence_time_to_first_token_seconds", "From admission to the first token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("kvfence_time_per_output_token_seconds", "Between tokens after the first.",
                               buckets=LATENCY_BUCKETS, registry=r)
-        r.register(EngineCollector(engine))
+        self.queue_time = Histogram("kvfence_queue_time_seconds", "Time a request waited in the router's queue "
+                                    "for a worker.", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rate_limited = Counter("kvfence_rate_limited", "Requests refused with 429, by the limit that refused.",
+                                    ["tenant", "reason"], registry=r)
+        self.preemptions = Counter("kvfence_preemptions", "Times a worker preempted a request of the tenant.",
+                                   ["tenant"], registry=r)
+        r.register(EngineCollector(engine, tenants))
 
-    def request_ended(self, tenant: str, status: int, error: KvfenceError | None, output_tokens: int) -> None:
+    def request_ended(self, tenant: str, status: int, error: KvfenceError | None, output_tokens: int,
+                      preemptions: int = 0) -> None:
         self.requests.labels(tenant, str(status)).inc()
         self.output_tokens.labels(tenant).inc(output_tokens)
+        if preemptions:
+            self.preemptions.labels(tenant).inc(preemptions)
         if error is None:
             return
+        if isinstance(error, TooManyRequests):
+            self.rate_limited.labels(tenant, error.reason).inc()
         layer = error.layer or "none"
         self.rejections.labels(layer, error.code or error.type).inc()
         if layer in VERIFICATION_LAYERS:
             self.verification_failures.labels(layer).inc()
 
-    def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+    def first_token(self, tenant: str, seconds: float) -> None:
+        self.ttft.labels(tenant).observe(seconds)
+
+    def queued(self, tenant: str, seconds: float) -> None:
+        self.queue_time.labels(tenant).observe(seconds)
 
     def later_tokens(self, seconds: float, tokens: int) -> None:
         """``tokens`` arrived together ``seconds`` after the previous ones: each took ``seconds / tokens``."""
@@ -82,14 +105,16 @@ class Metrics:
 
 
 class EngineCollector(Collector):
-    """KV pool gauges per worker and transfers in flight, read from ``engine.health()`` at each scrape.
+    """KV pool gauges per worker, transfers in flight and queue lengths, read from ``engine.health()`` at each scrape.
 
     Disaggregated health lists ``workers`` with ``total_pages``, ``free_pages`` and ``quarantined_pages``;
-    colocated health has ``kv_pages_total`` and ``kv_pages_free`` for its one engine (worker ``local``).
+    colocated health has ``kv_pages_total`` and ``kv_pages_free`` for its one engine (worker ``local``). Both have
+    ``queued_by_tenant`` behind the queue.
     """
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, tenants: tuple[str, ...] = ()) -> None:
         self.engine = engine
+        self.tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
         health = self.engine.health()
@@ -106,6 +131,12 @@ class EngineCollector(Collector):
         yield from (total, in_use, quarantined)
         yield GaugeMetricFamily("kvfence_kv_transfers_in_flight", "Requests whose KV transfer has not yet ended.",
                                 value=health.get("transfers_in_flight", 0))
+        queued = GaugeMetricFamily("kvfence_queue_length", "Requests waiting in the router's queue for a worker.",
+                                   labels=["tenant"])
+        lengths = {**dict.fromkeys(self.tenants, 0), **health.get("queued_by_tenant", {})}
+        for tenant, n in sorted(lengths.items()):
+            queued.add_metric([tenant], n)
+        yield queued
 
 
 def _pools(health: dict) -> Iterator[tuple[str, str, tuple[int, int, int]]]:

@@ -7,6 +7,9 @@ one task watches heartbeats and declares silent workers dead.
 Admin controls: ``worker_table`` and ``set_drained`` (drained workers get no
 new request); ``route(rid)`` names the (prefill, decode) pair a recent
 request was sent to, for the audit log.
+
+A request waits in the core's per-tenant queue until a pair has room for it;
+its first output carries how long it waited (``RequestOutput.queue_time``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from kvfence.cluster import ClusterKey
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.faults import Faults
 from kvfence.protocol.actions import Action, Deliver, Send
-from kvfence.protocol.messages import Envelope, Hello, Output
+from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
+from kvfence.protocol.messages import Admit, Envelope, Hello, Output
 from kvfence.protocol.router import RouterCore, WorkerInfo
 from kvfence.router.admin import RecentRoutes
 from kvfence.safety import Safety
@@ -34,15 +38,16 @@ POLL_S = 0.01  # the inbox is also polled this often, should a wake-up be missed
 
 class RemoteEngine:
     def __init__(self, bind: str, model_name: str, max_context: int, safety: Safety, advertise: str | None = None,
-                 expected_workers: int = 0, silence_timeout: float = 120.0,
-                 cluster_key: ClusterKey | None = None) -> None:
+                 expected_workers: int = 0, silence_timeout: float = 120.0, cluster_key: ClusterKey | None = None,
+                 policy: QueuePolicy | None = None, limits: DispatchLimits | None = None) -> None:
         """``cluster_key``: only its holders can join (``Channel``); without one, ``bind`` must stay on this host."""
         self.channel = Channel(bind, advertise, Faults.from_env(), cluster_key)
         self.me = self.channel.me
         self.model_name, self.max_context = model_name, max_context
-        self.core = RouterCore(self.me, max_context, safety, silence_timeout)
+        self.core = RouterCore(self.me, max_context, safety, silence_timeout, policy, limits)
         self.expected_workers = expected_workers
         self._sinks: dict[int, asyncio.Queue] = {}
+        self._dispatched: dict[int, float] = {}  # rid -> when it left the queue, until its first output
         self.assigned: dict[str, int] = {}  # requests sent to each worker since start
         self._routes = RecentRoutes()
         self._last_seen: dict[str, float] = {}
@@ -55,18 +60,22 @@ class RemoteEngine:
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request.rid] = sink
         finished = False
+        submitted = time.monotonic()
         try:
-            self._do(self.core.submit(request))
-            self._note_route(request.rid)
+            self._do(self.core.submit(request, submitted))
             while not finished:
                 out: RequestOutput = await sink.get()
                 if out.error is not None:
                     finished = True
                     raise out.error
+                dispatched = self._dispatched.pop(request.rid, None)
+                if dispatched is not None:
+                    out.queue_time = dispatched - submitted
                 finished = out.finished
                 yield out
         finally:
             self._sinks.pop(request.rid, None)
+            self._dispatched.pop(request.rid, None)
             if not finished:
                 self._do(self.core.client_gone(request.rid))
 
@@ -76,12 +85,14 @@ class RemoteEngine:
         ready = sum(1 for i in self.core.workers.values() if i.hello.role == "decode") and \
             sum(1 for i in self.core.workers.values() if i.hello.role == "prefill")
         return {"status": "ok" if ready else "waiting for workers", "mode": "disaggregated",
-                "max_context": self.max_context, "in_flight": len(self.core.reqs),
+                "max_context": self.max_context, "in_flight": len(self.core.reqs), "queued": self.core.queued(),
+                "queued_by_tenant": self.core.queue.lengths(),
                 "transfers_in_flight": self.core.in_handoff(), "workers": workers}
 
     def _worker_health(self, info: WorkerInfo) -> dict:
         h = info.hello
         return {"role": h.role, "pid": h.pid, "in_flight": info.in_flight, "assigned": self.assigned.get(h.worker, 0),
+                "backlog_tokens": info.backlog_tokens, "reserved_pages": info.reserved_pages,
                 "free_pages": h.free_pages, "total_pages": h.total_pages, "quarantined_pages": h.quarantined_pages,
                 "quarantine_reasons": h.quarantine_reasons,
                 "running": h.running, "pool_tokens": h.pool_tokens, "max_context": h.max_context,
@@ -104,23 +115,19 @@ class RemoteEngine:
         """Take ``worker`` out of rotation (kept across its restarts) or put it back; ``KeyError`` if unknown."""
         if worker not in self.core.workers and worker not in self.core.drained:
             raise KeyError(worker)
-        if drained:
-            self.core.drained.add(worker)
-        else:
-            self.core.drained.discard(worker)
+        self._do(self.core.set_drained(worker, drained))
 
     def route(self, rid: int) -> tuple[str, str] | None:
         """The (prefill, decode) pair a recent request was sent to; ``None`` if it was never sent."""
         return self._routes.get(rid)
 
-    def _note_route(self, rid: int) -> None:
-        """Count a request just sent against both workers of its pair, and remember the pair."""
-        pair = self.core.reqs.get(rid)
-        if pair is None:
-            return
-        for worker in (pair.prefill, pair.decode):
+    def _note_route(self, admit: Admit, decode: str) -> None:
+        """Count a request just sent against both workers of its pair, and remember the pair and when."""
+        for worker in (admit.prefill, decode):
             self.assigned[worker] = self.assigned.get(worker, 0) + 1
-        self._routes.add(rid, pair.prefill, pair.decode)
+        self._routes.add(admit.rid, admit.prefill, decode)
+        if admit.rid in self._sinks:
+            self._dispatched[admit.rid] = time.monotonic()
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -193,6 +200,8 @@ class RemoteEngine:
     def _do(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Send):
+                if isinstance(action.msg, Admit):
+                    self._note_route(action.msg, action.to)
                 self.channel.send(action.to, action.msg)
             elif isinstance(action, Deliver):
                 sink = self._sinks.get(action.rid)
@@ -206,5 +215,6 @@ def _to_output(action: Deliver) -> RequestOutput:
     o: Output = action.output
     finish = FinishReason(o.finish_reason) if o.finish_reason else None
     return RequestOutput(o.rid, o.token_ids, o.text, finish, prompt_tokens=o.prompt_tokens,
-                         completion_tokens=o.completion_tokens, pages=o.pages, verification=o.verification)
+                         completion_tokens=o.completion_tokens, pages=o.pages, verification=o.verification,
+                         preemptions=o.preemptions)
 

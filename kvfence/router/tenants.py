@@ -7,6 +7,10 @@ A tenants file maps each tenant to its API keys::
 
     [tenants.bob]
     api_keys = ["sk-bob"]
+    weight = 2                     # optional quotas (protocol/capacity.py); default: weight 1, no limits
+    max_concurrent_requests = 16   # requests on the workers at once; the rest wait in bob's queue
+    max_queued = 64                # requests waiting at once; one more gets 429
+    tokens_per_minute = 200000     # prompt + completion tokens; beyond, 429 with Retry-After
 
     [admin]                    # optional: keys for the /admin API, /health's detail and /metrics
     api_keys = ["sk-admin-1"]
@@ -34,11 +38,14 @@ from pathlib import Path
 from typing import Literal
 
 from kvfence.core import AuthenticationError, KvfenceError
+from kvfence.protocol.capacity import TenantQuota
 
 OPEN_TENANT = "default"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # tenant names go into log lines: keep them plain
 Kind = Literal["tenant", "admin", "metrics"]
 _SECTIONS: tuple[Kind, ...] = ("admin", "metrics")  # optional tables beside [tenants.NAME]
+_QUOTA_KEYS = ("weight", "max_concurrent_requests", "max_queued", "tokens_per_minute")
+MAX_WEIGHT = 1e6  # weights are relative; beyond this a typo is likelier than a need
 
 
 class TenantConfigError(ValueError):
@@ -78,10 +85,11 @@ class Tenants:
     """
 
     def __init__(self, keys: Mapping[str, list[str]] | None, admin_keys: list[str] | None = None,
-                 metrics_keys: list[str] | None = None) -> None:
+                 metrics_keys: list[str] | None = None, quotas: Mapping[str, TenantQuota] | None = None) -> None:
         """``keys`` maps tenant name to its API keys (``None``: open mode); ``admin_keys`` may use /admin,
-        ``metrics_keys`` may only read /metrics."""
+        ``metrics_keys`` may only read /metrics; ``quotas`` holds the tenants whose file sets any."""
         self._open = keys is None
+        self.quotas: dict[str, TenantQuota] = dict(quotas or {})
         self.names: tuple[str, ...] = (OPEN_TENANT,) if keys is None else tuple(keys)
         self._by_digest: dict[bytes, tuple[Kind, str]] = {} if keys is None else _index(keys)
         for kind, section_keys in (("admin", admin_keys), ("metrics", metrics_keys)):
@@ -94,7 +102,8 @@ class Tenants:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Tenants:
-        """Load ``[tenants.NAME] api_keys = [...]`` and the optional ``[admin]`` and ``[metrics]`` tables.
+        """Load ``[tenants.NAME] api_keys = [...]`` (and optional quotas) and the optional ``[admin]`` and
+        ``[metrics]`` tables.
 
         Raises ``TenantConfigError`` on any mistake.
         """
@@ -184,9 +193,9 @@ def bearer_key(authorization: str | None) -> str | None:
     return key
 
 
-def _parse(data: dict) -> tuple[dict[str, list[str]], list[str] | None, list[str] | None]:
-    """The file's structure: [tenants.NAME] tables and optional [admin] and [metrics] tables, each holding only
-    api_keys. Returns (tenant keys, admin keys, metrics keys)."""
+def _parse(data: dict) -> tuple[dict[str, list[str]], list[str] | None, list[str] | None, dict[str, TenantQuota]]:
+    """The file's structure: [tenants.NAME] tables (api_keys and optional quotas) and optional [admin] and
+    [metrics] tables holding only api_keys. Returns (tenant keys, admin keys, metrics keys, quotas)."""
     unknown = set(data) - {"tenants", *_SECTIONS}
     if unknown:
         raise TenantConfigError(f"unknown top-level keys {sorted(unknown)}; expected [tenants.NAME] tables and "
@@ -194,12 +203,35 @@ def _parse(data: dict) -> tuple[dict[str, list[str]], list[str] | None, list[str
     tenants = data.get("tenants", {})
     if not isinstance(tenants, dict):
         raise TenantConfigError("'tenants' must be a table of [tenants.NAME] tables")
-    parsed = {}
+    parsed, quotas = {}, {}
     for name, table in tenants.items():
-        if not isinstance(table, dict) or set(table) != {"api_keys"}:
-            raise TenantConfigError(f"tenant {name!r}: expected a table [tenants.{name}] with only api_keys")
+        if not isinstance(table, dict):
+            raise TenantConfigError(f"tenant {name!r}: expected a table [tenants.{name}] with api_keys")
+        unknown = set(table) - {"api_keys", *_QUOTA_KEYS}
+        if unknown:
+            raise TenantConfigError(f"tenant {name!r}: unknown keys {sorted(unknown)}; a tenant's table holds "
+                                    f"api_keys and optionally {', '.join(_QUOTA_KEYS)}")
+        if "api_keys" not in table:
+            raise TenantConfigError(f"tenant {name!r}: expected a table [tenants.{name}] with api_keys")
         parsed[name] = table["api_keys"]
-    return parsed, _section(data, "admin"), _section(data, "metrics")
+        if set(table) != {"api_keys"}:
+            quotas[name] = _quota(name, table)
+    return parsed, _section(data, "admin"), _section(data, "metrics"), quotas
+
+
+def _quota(tenant: str, table: dict) -> TenantQuota:
+    """A tenant's quotas: ``weight`` a positive number, the limits positive integers."""
+    weight = table.get("weight", 1)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= MAX_WEIGHT:
+        raise TenantConfigError(f"tenant {tenant!r}: weight must be a number above 0 and at most {MAX_WEIGHT:g}, "
+                                f"not {weight!r}")
+    limits = {}
+    for key in _QUOTA_KEYS[1:]:
+        value = table.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise TenantConfigError(f"tenant {tenant!r}: {key} must be a whole number of at least 1, not {value!r}")
+        limits[key] = value
+    return TenantQuota(float(weight), **limits)
 
 
 def _section(data: dict, kind: Kind) -> list[str] | None:

@@ -55,6 +55,7 @@ from kvfence.core import IntegrityError, Request, SamplingParams, ServiceUnavail
 from kvfence.kvcache.layout import tokens_per_page
 from kvfence.kvcache.pages import PageGrant, PageState, PageTable
 from kvfence.protocol.actions import Action, Deliver, Send, StartDecode, StartPrefill, StopDecode, StopPrefill
+from kvfence.protocol.capacity import UNGATED, DispatchLimits, FairQueue, QueuePolicy
 from kvfence.protocol.decode import DecodeCore, DecodeLimits, DState
 from kvfence.protocol.messages import ErrorInfo, Hello, Message, Output, Peers, Reject, WorkerDown
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits, PState
@@ -125,6 +126,9 @@ class CheckConfig:
     quick_restart: bool = False
     safety: Safety = field(default_factory=Safety)
     emulate_incident: bool = False
+    # the router holds a request in its queue until its pair has room (production's DispatchLimits); off, it sends
+    # every request at once, so decode's own wait for pages (the default requests' B behind A) stays explored
+    router_gate: bool = False
     # the protocol's own timeouts (seconds, as in production)
     dest_timeout: int = 30
     orphan_dest_timeout: int = 5
@@ -322,7 +326,9 @@ class World:
     def __init__(self, cfg: CheckConfig) -> None:
         self.cfg = cfg
         self.now = 0
-        self.router = RouterCore(ROUTER, cfg.max_context, cfg.safety)
+        # first come, first served: the fair order's token counters would tell apart states that behave alike
+        self.router = RouterCore(ROUTER, cfg.max_context, cfg.safety, policy=QueuePolicy(scheduling="fcfs"),
+                                 limits=DispatchLimits() if cfg.router_gate else UNGATED)
         self.prefill = PrefillNode(self._new_prefill_core(), {})
         self.decode = DecodeNode(None, ())
         self._boot_decode(ghost=True)
@@ -590,7 +596,7 @@ class World:
                            f"max_tokens {spec.max_tokens}{over}")
         prompt = [10 * rid + i for i in range(spec.prompt_len)]
         req = Request(prompt, SamplingParams(spec.max_tokens), spec.tenant, rid=rid)
-        self._router_do(self.router.submit(req))
+        self._router_do(self.router.submit(req, self.now))
 
     def _ev_disconnect(self, rid: int) -> None:
         self.clients[rid] = self.clients[rid]._replace(gone=True)
@@ -1118,7 +1124,20 @@ def _copy_router(core: RouterCore) -> RouterCore:
     new = _copy_obj(core)
     new.reqs = {k: _copy_obj(v) for k, v in core.reqs.items()}
     new.workers = {k: _copy_obj(v) for k, v in core.workers.items()}
-    _copy_extra(core, new, ("me", "max_context", "safety", "reqs", "workers"))
+    new.queue = _copy_queue(core.queue)
+    new.drained, new.absent_since = set(core.drained), dict(core.absent_since)
+    _copy_extra(core, new, ("me", "max_context", "safety", "reqs", "workers", "queue", "drained", "absent_since",
+                            "limits", "silence_timeout"))
+    return new
+
+
+def _copy_queue(q: FairQueue) -> FairQueue:
+    new = _copy_obj(q)
+    new.queues = {t: type(d)(d) for t, d in q.queues.items()}  # entries are never changed: shared
+    new.tenant_of, new.started, new.served = dict(q.tenant_of), dict(q.started), dict(q.served)
+    new.buckets = {t: _copy_obj(b) for t, b in q.buckets.items()}
+    _copy_extra(q, new, ("policy", "queues", "tenant_of", "started", "served", "virtual_time", "buckets",
+                         "arrivals"))
     return new
 
 
