@@ -48,7 +48,14 @@ async def first_token_time(client: openai.AsyncOpenAI, model: str, prompt: str, 
 async def flood_and_chat(server: Server) -> tuple[list[float], list[float], list[int]]:
     """(bob's TTFTs once his queue had formed, alice's TTFTs, error statuses). A request of bob's still waiting
     at the end counts with the time it had waited."""
-    bob, alice = server.async_client("sk-bob", timeout=120), server.async_client("sk-alice", timeout=120)
+    # Closed on this loop: left to the garbage collector they would close on a later test's (closed) loop.
+    async with server.async_client("sk-bob", timeout=120) as bob, \
+            server.async_client("sk-alice", timeout=120) as alice:
+        return await _flood_and_chat(bob, alice)
+
+
+async def _flood_and_chat(bob: openai.AsyncOpenAI, alice: openai.AsyncOpenAI) -> tuple[list[float], list[float],
+                                                                                       list[int]]:
     model = (await alice.models.list()).data[0].id
     long_prompt = "hello " * 200  # about 210 tokens with the chat template
     await first_token_time(alice, model, "Warm up.", 4)  # the first forward passes are slow
