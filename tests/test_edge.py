@@ -637,22 +637,29 @@ def test_connections_per_client_address_are_bounded():
             sock.close()
 
 
+def start_50_mb_upload(sock: socket.socket, path: str, chunked: bool) -> threading.Thread:
+    """Send the headers of a 50 MB body (declared, or chunked), then the body from a thread, as fast as loopback
+    goes; the thread stops quietly once the server closes."""
+    sock.sendall(head(path, None if chunked else 50_000_000))
+    chunk = b"x" * 1_000_000
+    frame = b"%x\r\n" % len(chunk) + chunk + b"\r\n" if chunked else chunk
+
+    def upload() -> None:
+        with contextlib.suppress(OSError):
+            for _ in range(50):
+                sock.sendall(frame)
+
+    uploader = threading.Thread(target=upload, daemon=True)
+    uploader.start()
+    return uploader
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_50_mb_body_gets_413_at_once_and_the_client_reads_it(chunked):
     limits = EdgeLimits(max_request_bytes=1_000_000)
     with edge_server(limits=limits) as url, connect(url) as sock:
         started = time.monotonic()
-        sock.sendall(head("/v1/completions", None if chunked else 50_000_000))
-        chunk = b"x" * 1_000_000
-        frame = b"%x\r\n" % len(chunk) + chunk + b"\r\n" if chunked else chunk
-
-        def upload() -> None:
-            with contextlib.suppress(OSError):
-                for _ in range(50):
-                    sock.sendall(frame)
-
-        uploader = threading.Thread(target=upload, daemon=True)
-        uploader.start()
+        uploader = start_50_mb_upload(sock, "/v1/completions", chunked)
         status, headers, body = read_response(sock)
         took = time.monotonic() - started
         assert (status, json.loads(body)["error"]["code"], headers["connection"]) == (413, "request_too_large",

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests.server import Server
-from tests.test_edge import closed_by_server, connect, head, read_response
+from tests.test_edge import closed_by_server, connect, head, read_response, start_50_mb_upload
 from tests.tiny_models import tiny_model_dir
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
@@ -56,17 +56,7 @@ def upload_50_mb(url: str, chunked: bool) -> tuple[int, dict, float]:
     """Send a 50 MB body (declared, or chunked) as fast as loopback goes; (status, error, seconds to the answer)."""
     with connect(url) as sock:
         started = time.monotonic()
-        sock.sendall(head("/v1/chat/completions", None if chunked else 50_000_000))
-        chunk = b"x" * 1_000_000
-        frame = b"%x\r\n" % len(chunk) + chunk + b"\r\n" if chunked else chunk
-
-        def upload() -> None:
-            with contextlib.suppress(OSError):
-                for _ in range(50):
-                    sock.sendall(frame)
-
-        uploader = threading.Thread(target=upload, daemon=True)
-        uploader.start()
+        uploader = start_50_mb_upload(sock, "/v1/chat/completions", chunked)
         status, _, body = read_response(sock)
         took = time.monotonic() - started
         uploader.join(10)
