@@ -11,14 +11,18 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 from kvfence.cluster import ENV
 from kvfence.config import POOL_DEFAULTS, default_pool_tokens
 from kvfence.tools.audit import non_negative_int, positive_int
 
 DTYPES = ("bfloat16", "float32")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 TRANSFERS = ("shm", "tcp", "mooncake", "nixl")
 log = logging.getLogger("kvfence")
+T = TypeVar("T")
 
 
 # -- arguments -------------------------------------------------------------------------
@@ -36,7 +40,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=non_negative_int, default=0,
                    help="CPU threads per process (0: serve splits this host's cores between its workers; "
                         "otherwise torch's default)")
-    g.add_argument("--max-context", type=positive_int, default=None,
+    g.add_argument("--max-context", "--max-model-len", type=positive_int, default=None,
                    help="most tokens (prompt + completion) per request (default: the model's context length)")
 
 
@@ -75,7 +79,11 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tenants", default=None,
                    help="TOML file: [tenants.NAME] api_keys = [...], optional [admin] and [metrics] api_keys (the "
                         "admin API, /health's detail, /metrics); without it one open tenant 'default' and no keys")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="one API key, of one tenant 'default', without a tenants file (not with --tenants)")
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (a file, or the template itself) instead of the model's own")
     g.add_argument("--audit-log", default=None, metavar="FILE",
                    help="append one JSON line per generation request to FILE (tenant, status, safety layer, pages)")
     from kvfence.router.limits import EdgeLimits, positive_seconds
@@ -131,8 +139,14 @@ def capacity_of(args: argparse.Namespace, tenants):
 
 def load_tenants(args: argparse.Namespace):
     """The --tenants file, checked before anything starts (a mistake exits with its message), or open mode."""
-    from kvfence.router.tenants import TenantConfigError, Tenants
+    from kvfence.router.tenants import OPEN_TENANT, TenantConfigError, Tenants
 
+    if args.api_key is not None:
+        if args.tenants:
+            sys.exit("kvfence: --api-key and --tenants both name API keys: give one of them")
+        if not args.api_key.strip():
+            sys.exit("kvfence: --api-key is empty")
+        return Tenants({OPEN_TENANT: [args.api_key]})
     if not args.tenants:
         print("kvfence: no --tenants file, so one open tenant 'default' takes any key. To require keys, write\n"
               '  [tenants.alice]\n  api_keys = ["sk-alice-..."]\nto tenants.toml and pass --tenants tenants.toml',
@@ -154,7 +168,8 @@ def add_stop_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfence", description="Multi-tenant OpenAI-compatible LLM serving with "
                                      "disaggregated prefill/decode and KV isolation.")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+    parser.add_argument("--version", action="version", version=f"kvfence {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
@@ -216,7 +231,53 @@ def build_parser() -> argparse.ArgumentParser:
     add_probe_parser(sub)
     from kvfence.tools.soak import add_soak_parser
     add_soak_parser(sub)
+    for command in sub.choices.values():  # also after the subcommand; the default stays the top level's
+        command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help="log level")
+    for command in (parser, *sub.choices.values()):
+        defaults_from_env(command)
     return parser
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("kvfence")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def defaults_from_env(parser: argparse.ArgumentParser) -> None:
+    """Every flag ``--some-flag`` also reads ``KVFENCE_SOME_FLAG`` as its default (the command line wins): on/off
+    flags take 1/0, true/false, yes/no or on/off; a repeatable flag takes a comma-separated list."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest in (argparse.SUPPRESS, "help", "version"):
+            continue
+        name = "KVFENCE_" + action.dest.upper()
+        if name not in os.environ:
+            continue
+        try:
+            action.default = _env_value(action, os.environ[name])
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            parser.error(f"{name}={os.environ[name]!r}: {e}")
+        action.required = False
+
+
+def _env_value(action: argparse.Action, text: str):
+    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+        on = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+              "off": False}.get(text.strip().lower())
+        if on is None:
+            raise ValueError("expected 1/0, true/false, yes/no or on/off")
+        return on if isinstance(action, argparse._StoreTrueAction) else not on
+    convert = action.type or str
+    if isinstance(action, argparse._AppendAction):
+        return [convert(part.strip()) for part in text.split(",") if part.strip()]
+    value = convert(text)
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}")
+    return value
 
 
 # -- commands ----------------------------------------------------------------------------
@@ -271,7 +332,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     key = cluster_key_or_exit(args, {"--router": args.router, "--bind": args.bind, "--advertise": args.advertise})
     check_device(args.device)
-    max_context = served_context(args, describe_model(args.model)[1].max_context)
+    max_context = served_context(args, model_or_exit(args.model, lambda: describe_model(args.model))[1].max_context)
     pool = args.kv_pool_tokens or default_pool_tokens(max_context, args.role)
     refuse_to_start_unless_fits(args.role, pool, args.page_size, max_context)
     settings = worker_settings(args, args.role, args.bind, args.router, max_context, pool, advertise=args.advertise,
@@ -365,7 +426,8 @@ def load(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=dtype_of(args), device=args.device)
+    loaded = model_or_exit(args.model, lambda: load_model(args.model, dtype=dtype_of(args), device=args.device))
+    use_chat_template(args, loaded.tokenizer)
     return loaded, served_context(args, loaded.config.max_context)
 
 
@@ -373,8 +435,33 @@ def describe(args: argparse.Namespace):
     """What the router needs, without loading weights: (served name, tokenizer, max_context). Imports no torch."""
     from kvfence.model.describe import describe_model
 
-    name, config, tokenizer = describe_model(args.model)
+    name, config, tokenizer = model_or_exit(args.model, lambda: describe_model(args.model))
+    use_chat_template(args, tokenizer)
     return args.served_model_name or name, tokenizer, served_context(args, config.max_context)
+
+
+def model_or_exit(model: str, fn: Callable[[], T]) -> T:
+    """``fn()``, which reads ``model``; a model that cannot be used exits with one line saying why."""
+    try:
+        return fn()
+    except (OSError, ImportError, ValueError) as e:
+        sys.exit(f"kvfence: --model {model}: {e}")
+
+
+def use_chat_template(args: argparse.Namespace, tokenizer) -> None:
+    """``--chat-template``: a file's text, or the template itself when it is no file but looks like Jinja."""
+    given = getattr(args, "chat_template", None)
+    if given is None:
+        return
+    from jinja2 import TemplateError
+
+    path = Path(given).expanduser()
+    if not path.is_file() and "{{" not in given and "{%" not in given:
+        sys.exit(f"kvfence: --chat-template {given}: no such file (nor a Jinja template)")
+    try:
+        tokenizer.set_chat_template(path.read_text() if path.is_file() else given)
+    except TemplateError as e:
+        sys.exit(f"kvfence: --chat-template {given}: not a valid Jinja template ({e})")
 
 
 def served_context(args: argparse.Namespace, model_context: int) -> int:

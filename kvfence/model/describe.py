@@ -45,12 +45,26 @@ def describe_model(model: str = SMOLLM2) -> tuple[str, ModelConfig, Tokenizer]:
     )
 
 
+MODEL_KINDS = (f"'{SMOLLM2}' (the bundled SmolLM2-135M-Instruct), a .gguf file, or a Hugging Face directory "
+               "(config.json, *.safetensors, tokenizer.json)")
+
+
 def model_path(model: str) -> Path:
-    """The file or directory ``model`` names; FileNotFoundError unless it is one we can load."""
-    path = smollm2_gguf_path() if model == SMOLLM2 else Path(model)
-    if not (path.is_dir() or (path.suffix == ".gguf" and path.is_file())):
-        raise FileNotFoundError(f"{model!r} is neither 'smollm2-135m', a .gguf file, nor an HF model directory")
-    return path
+    """The file or directory ``model`` names; FileNotFoundError, saying what was tried, unless it is one we can
+    load."""
+    if model == SMOLLM2:
+        return smollm2_gguf_path()
+    path = Path(model).expanduser()
+    where = path.resolve()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"the directory {where} has no config.json; a model is {MODEL_KINDS}")
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise FileNotFoundError(f"{where} is a file but not a .gguf one; a model is {MODEL_KINDS}")
+        return path
+    raise FileNotFoundError(f"no file or directory {where}; a model is {MODEL_KINDS}")
 
 
 def smollm2_gguf_path() -> Path:

@@ -165,6 +165,12 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------------------
 
+    def set_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` instead of the model's own (``--chat-template``); checked here, so a
+        template with a syntax error stops the server at start."""
+        self._template = _jinja_env().from_string(template)
+        self.chat_template = template
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render ``messages`` with the model's own template (sandboxed jinja2, HF-compatible globals)."""
         if self.chat_template is None:
