@@ -190,7 +190,8 @@ async def test_chat_completion_body_and_engine_request():
     assert abs(body["created"] - time.time()) < 60
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello world"},
                                 "logprobs": None, "finish_reason": "stop"}]
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3, "total_tokens": len(prompt) + 3}
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3, "total_tokens": len(prompt) + 3,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert engine.ending == "finished"
 
 
@@ -241,7 +242,8 @@ async def test_completions_with_text_and_token_prompts():
     body = r1.json()
     assert body["id"] == f"cmpl-{engine.requests[0].rid:032x}" and body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert r2.json()["usage"]["prompt_tokens"] == 4
 
 
@@ -273,7 +275,8 @@ async def test_chat_stream_order_usage_and_done():
     ]
     prompt_len = len(template(("user", "hi")))
     assert [c["usage"] for c in chunks] == [None] * 4 + [
-        {"prompt_tokens": prompt_len, "completion_tokens": 3, "total_tokens": prompt_len + 3}]
+        {"prompt_tokens": prompt_len, "completion_tokens": 3, "total_tokens": prompt_len + 3,
+         "prompt_tokens_details": {"cached_tokens": 0}}]
     assert engine.ending == "finished"
 
 
@@ -381,9 +384,28 @@ async def test_bad_fields_are_400_naming_the_param(patch, param):
 async def test_neutral_values_of_unsupported_fields_are_fine():
     engine = FakeEngine()
     neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "response_format": {"type": "text"},
-               "tools": None, "n": 1, "some_vendor_field": {"x": 1}, "user": "u1"}
+               "tools": None, "n": 1, "user": "u1", "store": False, "parallel_tool_calls": True}
     async with asgi_client(engine) as c:
         assert (await c.post("/v1/chat/completions", json=chat_body() | neutral)).status_code == 200
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("field", ["some_vendor_field", "guided_json", "structured_outputs", "lora_path", "priority",
+                                   "chat_template_kwargs", "return_hidden_states"])
+async def test_unknown_fields_are_400_naming_them_as_openai_does(field):
+    """vLLM and SGLang extensions included: an answer must never come from a request partly ignored."""
+    engine = FakeEngine()
+    async with asgi_client(engine) as c:
+        resp = await c.post("/v1/chat/completions", json=chat_body() | {field: {"x": 1}})
+        err = assert_error(resp, 400, "invalid_request_error", field)
+        assert err["message"] == f"Unrecognized request argument supplied: {field}"
+        nested = await c.post("/v1/chat/completions",
+                              json=chat_body(messages=[{"role": "user", "content": "hi", field: 1}]))
+        assert_error(nested, 400, "invalid_request_error", f"messages.[0].{field}")
+        history = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function"}]}]
+        calls = await c.post("/v1/chat/completions", json=chat_body(messages=history))
+        assert_error(calls, 400, "invalid_request_error", "messages.tool_calls")
+    assert engine.requests == []
 
 
 @pytest.mark.anyio

@@ -7,8 +7,10 @@
   such as ``"\\ud800"``), in known and unknown fields alike: nothing a worker cannot encode gets past the edge;
 - pydantic then checks shapes, types and ranges in strict mode: an integer must be a JSON integer, a boolean a
   JSON boolean, a string a JSON string (a float may be given as a JSON integer);
-- ``check()`` rejects what parses but cannot be honoured (``n > 1``, logprobs, tools, penalties, ...): a 400 is
-  better than an answer that silently ignores part of the request. Unknown fields are ignored, as vLLM does.
+- an unknown field is a 400 naming it, as OpenAI answers ("Unrecognized request argument supplied"), vLLM and
+  SGLang extensions included: a request is never answered while part of it was silently ignored;
+- ``check()`` rejects what parses but cannot be honoured (``n > 1``, logprobs, tools, penalties, ...) unless it
+  has the value that means "off" (``NEUTRAL``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from kvfence.core import InvalidRequest, SamplingParams
 
-STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate can enter valid UTF-8 JSON
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -107,6 +109,8 @@ def invalid_request(errors: list[Any]) -> InvalidRequest:
     param = param_name(loc)
     if first.get("type") == "missing":
         return InvalidRequest(f"Missing required parameter: '{param}'.", param=param)
+    if first.get("type") == "extra_forbidden":
+        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param)  # OpenAI's words
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return InvalidRequest(f"Invalid value for '{param}': {msg}", param=param)
 
@@ -179,7 +183,8 @@ class GenerateBody(BaseModel):
     model_config = STRICT
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-        "logit_bias": (None, {}), "min_tokens": (None, 0), "best_of": (None, 1),
+        "logit_bias": (None, {}), "min_tokens": (None, 0), "best_of": (None, 1), "store": (None, False),
+        "service_tier": (None, "auto", "default"), "metadata": (None, {}),
     }
 
     model: str | None = None
@@ -200,6 +205,9 @@ class GenerateBody(BaseModel):
     logit_bias: dict[str, Number] | None = None
     min_tokens: int | None = None  # extension
     best_of: int | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
 
     def check(self) -> None:
         """Reject, as ``InvalidRequest``, what parses but cannot be served."""
@@ -233,22 +241,32 @@ class GenerateBody(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = STRICT  # tool_call_id, ...: accepted, not used
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: TextContent = ""
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    refusal: str | None = None
 
     def for_template(self) -> dict[str, str]:
-        """The message as a chat template expects it; ``developer`` is the newer name for ``system``."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        """The message as a chat template expects it (``developer`` is the newer name for ``system``); ``name``
+        and ``tool_call_id`` go to the template too."""
+        if self.tool_calls:
+            raise InvalidRequest("'tool_calls' in messages are not supported by this server.",
+                                 param="messages.tool_calls")
+        extra = {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None}
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content, **extra}
 
 
 class ChatCompletionRequest(GenerateBody):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = GenerateBody.NEUTRAL | {
         "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
         "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
-        "response_format": (None, {"type": "text"}),
+        "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
+        "modalities": (None, ["text"]), "reasoning_effort": (None,), "audio": (None,), "prediction": (None,),
+        "web_search_options": (None,),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -260,6 +278,12 @@ class ChatCompletionRequest(GenerateBody):
     tool_choice: str | dict[str, Any] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
