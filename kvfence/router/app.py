@@ -71,7 +71,15 @@ from kvfence.router.ledger import Ledger, RequestEnd
 from kvfence.router.limits import EdgeLimits
 from kvfence.router.metrics import CONTENT_TYPE, Metrics
 from kvfence.router.responses import DONE, Format, error_body, sse
-from kvfence.router.schemas import ChatCompletionRequest, CompletionRequest, GenerateBody, invalid_request, parse_body
+from kvfence.router.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateBody,
+    TokenizeRequest,
+    invalid_request,
+    parse_body,
+)
 from kvfence.router.tenants import Tenants
 from kvfence.safety import Safety
 from kvfence.tools.auditlog import AuditLog
@@ -139,6 +147,17 @@ def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants, audit: Au
     @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(http: Request, tenant: Tenant) -> Response:
         return await server.serve(http, Call(tenant, chat=False))
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request, tenant: Tenant) -> dict:
+        """vLLM's: the token ids a prompt (or chat) would have here, without generating."""
+        raw = await http.body()
+        return await server.prepare.run(tenant, len(raw), partial(server.tokenize, tenant, raw))
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request, tenant: Tenant) -> dict:
+        raw = await http.body()
+        return await server.prepare.run(tenant, len(raw), partial(server.detokenize, tenant, raw))
 
     _document_bodies(app, ChatCompletionRequest, CompletionRequest)
     return app
@@ -287,6 +306,29 @@ class OpenAIServer:
         else:
             job.prompt_ids = self._checked_ids(body.prompt)
 
+    def tokenize(self, tenant: str, raw: bytes) -> dict:
+        """On a worker thread: ``/tokenize``'s answer for ``raw`` (a ``TokenizeRequest``)."""
+        body = parse_body(raw, TokenizeRequest)
+        self.check_model(body.model, tenant)
+        if body.messages is not None:
+            text = self._render([m.for_template() for m in body.messages], body.add_generation_prompt)
+        else:
+            text = body.prompt or ""
+        ids = self._encode(text)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if not body.add_special_tokens and ids and ids[0] == bos:
+            ids = ids[1:]
+        strs = [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.engine.max_context, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, tenant: str, raw: bytes) -> dict:
+        """On a worker thread: ``/detokenize``'s answer for ``raw`` (a ``DetokenizeRequest``)."""
+        body = parse_body(raw, DetokenizeRequest)
+        self.check_model(body.model, tenant)
+        if body.tokens:
+            self._checked_ids(body.tokens, param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
     def admit(self, job: Job) -> EngineRequest:
         """L1: settle ``max_tokens`` and reject what cannot fit the context, before any engine work.
 
@@ -337,9 +379,9 @@ class OpenAIServer:
         requested = body.requested_max_tokens
         return requested if requested is not None else max(self.engine.max_context - prompt_len, 1)
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except (TemplateError, ValueError) as e:
             raise InvalidRequest(f"The messages could not be rendered with the chat template: {e}",
                                  param="messages") from e
@@ -347,11 +389,11 @@ class OpenAIServer:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)  # the body's strings are valid Unicode (schemas.parse_body)
 
-    def _checked_ids(self, ids: list[int]) -> list[int]:
+    def _checked_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = getattr(self.tokenizer, "vocab_size", None)
         if isinstance(vocab, int) and max(ids) >= vocab:
             raise InvalidRequest(f"Token id {max(ids)} is out of range; the vocabulary has {vocab} tokens.",
-                                 param="prompt")
+                                 param=param)
         return ids
 
 

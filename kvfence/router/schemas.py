@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -28,12 +28,13 @@ STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate can enter valid UTF-8 JSON
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
+B = TypeVar("B", bound=BaseModel)
 Number = float  # a JSON number; strict mode still takes a JSON integer for it
 _INT64 = 2**63
 _INT32_MAX = 2**31 - 1
 
 
-def parse_body(raw: bytes, schema: type[GenerateBody]) -> GenerateBody:
+def parse_body(raw: bytes, schema: type[B]) -> B:
     """``raw`` as a valid ``schema``, or ``InvalidRequest`` naming the param (see the module docstring)."""
     data = strict_json(raw)
     try:
@@ -299,3 +300,33 @@ class CompletionRequest(GenerateBody):
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` in vLLM's shape: a ``prompt`` as is, or ``messages`` through the chat template, as the
+    completion endpoints would see them."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # False: no BOS, even where the model asks for one
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("Give either 'prompt' or 'messages'.", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` in vLLM's shape."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+    def check(self) -> None:
+        pass
