@@ -260,3 +260,23 @@ async def test_a_client_that_leaves_is_recorded_as_499(tmp_path, stream):
     assert (record.tenant, record.status, record.admission, record.error) == ("alice", 499, "accepted", None)
     assert record.output_tokens == 1 and engine.ending == "CancelledError"
     assert value(text, "kvfence_requests_total", tenant="alice", status="499") == 1
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_vllm_named_metrics_count_a_real_request(mode):
+    """vLLM's metric names under ``kvfence:``: token counters, phase histograms, running/waiting gauges."""
+    from tests.server import Server
+    from tests.tiny_models import tiny_model_dir
+
+    with Server("--mode", mode, "--model", str(tiny_model_dir("llama")), "--max-context", "256") as server:
+        reply = server.client().completions.create(model="llama", prompt="count", max_tokens=5,
+                                                   extra_body={"ignore_eos": True})
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("kvfence:")}
+    assert values['kvfence:prompt_tokens_total{tenant="default"}'] == reply.usage.prompt_tokens
+    assert values['kvfence:generation_tokens_total{tenant="default"}'] == 5
+    for phase in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+                  "time_to_first_token"):
+        assert values[f'kvfence:{phase}_seconds_count{{tenant="default"}}'] == 1, phase
+    assert values["kvfence:num_requests_running"] == 0 and values["kvfence:num_requests_waiting"] == 0

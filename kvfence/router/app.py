@@ -453,6 +453,8 @@ class Generation:
         self._last: RequestOutput | None = None
         self._closed = False
         self._started = self._token_at = time.monotonic()
+        self._first_at: float | None = None  # when the first token came
+        self._queue_time = 0.0
 
     async def next(self) -> RequestOutput:
         try:
@@ -461,6 +463,7 @@ class Generation:
             raise KvfenceError("The engine ended the request without finishing it.") from None
         self._check(out)
         if out.queue_time is not None:
+            self._queue_time = out.queue_time
             self.ledger.metrics.queued(self.request.tenant, out.queue_time)
         self._time(len(out.token_ids))
         self._tokens += len(out.token_ids)
@@ -497,6 +500,9 @@ class Generation:
                     await aclose()
             except Exception:  # the engine's cleanup failed; the handler's own outcome still stands
                 log.exception("closing the engine iterator of rid=%032x failed", self.request.rid)
+        if self._first_at is not None:
+            self.ledger.metrics.served(self.request.tenant, self._first_at - self._started - self._queue_time,
+                                       time.monotonic() - self._first_at)
         end = replace(self.end, output_tokens=self.usage()[1], last=self._last)
         self.ledger.record(replace(end, status=CLIENT_CLOSED, error=None) if client_gone else end)
 
@@ -505,6 +511,7 @@ class Generation:
             return
         now = time.monotonic()
         if self._tokens == 0:
+            self._first_at = now
             self.ledger.metrics.first_token(self.request.tenant, now - self._started)
         else:
             self.ledger.metrics.later_tokens(now - self._token_at, tokens)

@@ -53,7 +53,8 @@ class Ledger:
         log.info("request tenant=%s rid=%032x prompt_tokens=%d completion_tokens=%d status=%d",
                  end.tenant, end.rid, end.prompt_tokens, end.output_tokens, end.status)
         preemptions = end.last.preemptions if end.last is not None else 0
-        self.metrics.request_ended(end.tenant, end.status, end.error, end.output_tokens, preemptions)
+        self.metrics.request_ended(end.tenant, end.status, end.error, end.output_tokens, preemptions,
+                                   end.prompt_tokens if end.last is not None else 0, time.monotonic() - end.arrived)
         try:
             self.audit.write(self.audit_record(end))
         except OSError:

@@ -27,6 +27,17 @@ Metrics:
 - ``kvfence_kv_pages_total{worker,role}``, ``kvfence_kv_pages_in_use{worker,role}``,
   ``kvfence_kv_pages_quarantined{worker,role}``: each worker's KV pool, from its latest heartbeat.
 - ``kvfence_kv_transfers_in_flight``: requests sent to a prefill/decode pair whose KV has not yet landed.
+
+vLLM's names, under ``kvfence:`` (a dashboard built for vLLM reads them as they are):
+
+- ``kvfence:prompt_tokens_total{tenant}``, ``kvfence:generation_tokens_total{tenant}``: of requests that reached
+  the engine, counted when they end.
+- ``kvfence:num_requests_running``, ``kvfence:num_requests_waiting``: on the workers (or the colocated engine's
+  batch) now, and waiting for them (the router's queue, and the colocated engine's own).
+- ``kvfence:e2e_request_latency_seconds{tenant}``: arrival to end; ``kvfence:request_queue_time_seconds{tenant}``:
+  in the router's queue; ``kvfence:request_prefill_time_seconds{tenant}``: leaving the queue to the first token;
+  ``kvfence:request_decode_time_seconds{tenant}``: first token to the last; ``kvfence:time_to_first_token_seconds
+  {tenant}``: arrival to the first token (the same as ``kvfence_time_to_first_token_seconds``).
 """
 
 from __future__ import annotations
@@ -44,6 +55,13 @@ from kvfence.router.admin import LOCAL_WORKER
 VERIFICATION_LAYERS = ("tags", "coverage", "checksum")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+PHASES = {  # vLLM's histograms, as kvfence:NAME_seconds{tenant}
+    "e2e_request_latency": "From arrival to the end of the request.",
+    "request_queue_time": "Time in the router's queue.",
+    "request_prefill_time": "From leaving the queue to the first token.",
+    "request_decode_time": "From the first token to the last.",
+    "time_to_first_token": "From arrival to the first token.",
+}
 
 
 class Metrics:
@@ -72,12 +90,22 @@ class Metrics:
                                     ["tenant", "reason"], registry=r)
         self.preemptions = Counter("kvfence_preemptions", "Times a worker preempted a request of the tenant.",
                                    ["tenant"], registry=r)
+        self.prompt_tokens = Counter("kvfence:prompt_tokens", "Prompt tokens of requests that reached the engine.",
+                                     ["tenant"], registry=r)
+        self.generation_tokens = Counter("kvfence:generation_tokens", "Tokens generated.", ["tenant"], registry=r)
+        self.phases = {name: Histogram(f"kvfence:{name}_seconds", text, ["tenant"], buckets=LATENCY_BUCKETS,
+                                       registry=r) for name, text in PHASES.items()}
         r.register(EngineCollector(engine, tenants))
 
     def request_ended(self, tenant: str, status: int, error: KvfenceError | None, output_tokens: int,
-                      preemptions: int = 0) -> None:
+                      preemptions: int = 0, prompt_tokens: int = 0, seconds: float | None = None) -> None:
+        """A request ended; ``prompt_tokens`` if the engine worked on it, ``seconds`` since it arrived."""
         self.requests.labels(tenant, str(status)).inc()
         self.output_tokens.labels(tenant).inc(output_tokens)
+        self.generation_tokens.labels(tenant).inc(output_tokens)
+        self.prompt_tokens.labels(tenant).inc(prompt_tokens)
+        if seconds is not None:
+            self.phases["e2e_request_latency"].labels(tenant).observe(seconds)
         if preemptions:
             self.preemptions.labels(tenant).inc(preemptions)
         if error is None:
@@ -91,9 +119,16 @@ class Metrics:
 
     def first_token(self, tenant: str, seconds: float) -> None:
         self.ttft.labels(tenant).observe(seconds)
+        self.phases["time_to_first_token"].labels(tenant).observe(seconds)
 
     def queued(self, tenant: str, seconds: float) -> None:
         self.queue_time.labels(tenant).observe(seconds)
+        self.phases["request_queue_time"].labels(tenant).observe(seconds)
+
+    def served(self, tenant: str, prefill_seconds: float, decode_seconds: float) -> None:
+        """A request that had its first token ended: its prefill (queue exit to first token) and decode phases."""
+        self.phases["request_prefill_time"].labels(tenant).observe(prefill_seconds)
+        self.phases["request_decode_time"].labels(tenant).observe(decode_seconds)
 
     def later_tokens(self, seconds: float, tokens: int) -> None:
         """``tokens`` arrived together ``seconds`` after the previous ones: each took ``seconds / tokens``."""
@@ -137,6 +172,20 @@ class EngineCollector(Collector):
         for tenant, n in sorted(lengths.items()):
             queued.add_metric([tenant], n)
         yield queued
+        running, waiting = _running_waiting(health)
+        yield GaugeMetricFamily("kvfence:num_requests_running", "Requests on the workers (or in the colocated "
+                                "engine's batch).", value=running)
+        yield GaugeMetricFamily("kvfence:num_requests_waiting", "Requests waiting for a worker or a batch slot.",
+                                value=waiting)
+
+
+def _running_waiting(health: dict) -> tuple[int, int]:
+    """(running, waiting): colocated health counts its engine's batch and waiting list; disaggregated health
+    counts requests sent to workers (``in_flight``). Both add the router's queue (``queued``) to waiting."""
+    queued = health.get("queued", 0)
+    if "running" in health:
+        return health["running"], health.get("waiting", 0) + queued
+    return health.get("in_flight", 0), queued
 
 
 def _pools(health: dict) -> Iterator[tuple[str, str, tuple[int, int, int]]]:
