@@ -1,0 +1,137 @@
+"""``LLM``: the colocated engine in this process, as vLLM's offline API has it::
+
+    from kvfence import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m")
+    for out in llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8)):
+        print(out.outputs[0].text)
+
+The same engine, safety layers and batch invariance as ``kvfence serve --mode colocated``: a prompt's greedy
+tokens do not depend on the other prompts of the call. The L0 preflight runs when the engine is built (a pool
+too small for the context raises ``ValueError``) and L1 admission for each prompt (``ContextLengthExceeded``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvfence import core
+from kvfence.config import EngineConfig, default_pool_tokens
+from kvfence.core import FinishReason, KvfenceError
+
+Prompt = str | list[int]
+Chat = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """vLLM's defaults: 16 tokens at temperature 1. ``temperature=0`` is greedy; ``top_k`` 0 or -1 is off."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+
+    def for_engine(self) -> core.SamplingParams:
+        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1:
+            raise ValueError(f"invalid sampling parameters: {self}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return core.SamplingParams(self.max_tokens, self.temperature, self.top_p, max(self.top_k, 0), self.seed,
+                                   stop, self.ignore_eos)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result, shaped like vLLM's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+
+class LLM:
+    """A model and its engine in this process. Not thread-safe: one call at a time."""
+
+    def __init__(self, model: str = "smollm2-135m", *, dtype: str = "bfloat16", device: str = "cpu",
+                 max_model_len: int | None = None, kv_pool_tokens: int | None = None, max_batch: int = 64,
+                 page_size: int = 16, chunk_size: int = 512) -> None:
+        import torch
+
+        from kvfence.engine.engine import Engine
+        from kvfence.model.loader import load_model
+        from kvfence.tools.audit import PreflightError, preflight, usable_pool_tokens
+
+        torch_dtype = getattr(torch, dtype)
+        self.loaded = load_model(model, dtype=torch_dtype, device=device)
+        self.tokenizer = self.loaded.tokenizer
+        limit = self.loaded.config.max_context
+        max_context = max_model_len or limit
+        if not 0 < max_context <= limit:
+            raise ValueError(f"max_model_len {max_context} must be between 1 and the model's context ({limit})")
+        pool = kv_pool_tokens or default_pool_tokens(max_context, "colocated")
+        try:
+            preflight("colocated", usable_pool_tokens(pool, page_size), max_context, page_size=page_size)
+        except PreflightError as err:
+            raise ValueError(err.message) from None
+        config = EngineConfig(max_context=max_context, kv_pool_tokens=pool, page_size=page_size,
+                              max_batch=max_batch, chunk_size=chunk_size, step_tokens=chunk_size)
+        self.engine = Engine(self.loaded.model, self.tokenizer, config, torch_dtype, device)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Complete each prompt (text, or token ids); results in the prompts' order."""
+        params = (sampling_params or SamplingParams()).for_engine()
+        batch = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        texts = [p if isinstance(p, str) else None for p in batch]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+        return self._run(texts, ids, params)
+
+    def chat(self, messages: Chat | Sequence[Chat],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}``) or several, through the chat template."""
+        chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in chats]
+        return self.generate(texts, sampling_params)
+
+    def _run(self, texts: list[str | None], ids: list[list[int]], params: core.SamplingParams) -> list[RequestOutput]:
+        requests = [core.Request(p, params) for p in ids]
+        for req in requests:
+            self.engine.add(req)  # raises (ContextLengthExceeded, ...) before any page is granted
+        results = {r.rid: RequestOutput(f"{r.rid:032x}", t, r.prompt_ids, [CompletionOutput(0, "", [], None)])
+                   for r, t in zip(requests, texts, strict=True)}
+        pending = set(results)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.error is not None:
+                        raise out.error
+                    done = results[out.rid].outputs[0]
+                    done.text += out.text
+                    done.token_ids += out.token_ids
+                    if out.finished:
+                        done.finish_reason = out.finish_reason.value
+                        pending.discard(out.rid)
+                        if out.finish_reason is FinishReason.ERROR:
+                            raise KvfenceError(f"the engine failed request {out.rid:032x}")
+        finally:
+            for rid in pending:
+                self.engine.abort(rid)
+        return [results[r.rid] for r in requests]
+
+
+def _is_ids(prompt: object) -> bool:
+    return isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and bool(prompt)
