@@ -248,11 +248,14 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+READ_ELSEWHERE = ("cluster_key",)  # cluster.key_from reads $KVFENCE_CLUSTER_KEY itself, and names it in its errors
+
+
 def defaults_from_env(parser: argparse.ArgumentParser) -> None:
     """Every flag ``--some-flag`` also reads ``KVFENCE_SOME_FLAG`` as its default (the command line wins): on/off
     flags take 1/0, true/false, yes/no or on/off; a repeatable flag takes a comma-separated list."""
     for action in parser._actions:
-        if not action.option_strings or action.dest in (argparse.SUPPRESS, "help", "version"):
+        if not action.option_strings or action.dest in (argparse.SUPPRESS, "help", "version", *READ_ELSEWHERE):
             continue
         name = "KVFENCE_" + action.dest.upper()
         if name not in os.environ:

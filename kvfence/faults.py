@@ -7,6 +7,8 @@
   stays in order (later messages wait behind it), like a latency spike on a TCP connection.
 - ``flip``: probability that a KV transfer lands with one byte flipped (applied by decode on landing, before
   verification, so it stands for corruption anywhere on the data plane).
+- ``slow_step``: seconds that every decode step with work to do takes on top (a slow or overloaded worker; tests
+  use it to keep streams alive long enough to kill a worker under them).
 
 Heartbeats are never touched: they have their own socket. Off unless the variable is set; every process that
 injects faults says so at start.
@@ -27,6 +29,7 @@ class Faults:
     delay: float = 0.0
     delay_s: float = 0.3
     flip: float = 0.0
+    slow_step: float = 0.0
     seed: int | None = None
 
     @classmethod
@@ -46,6 +49,8 @@ class Faults:
         for name in ("drop", "dup", "delay", "flip"):
             if not 0 <= getattr(faults, name) <= 1:
                 raise ValueError(f"KVFENCE_FAULTS: {name} is a probability, got {getattr(faults, name)}")
+        if not 0 <= faults.slow_step <= 10:
+            raise ValueError(f"KVFENCE_FAULTS: slow_step is 0 to 10 seconds, got {faults.slow_step}")
         return faults
 
     def describe(self) -> str:

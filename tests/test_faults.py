@@ -16,6 +16,9 @@ def test_env_value_parses_and_bad_ones_name_the_problem():
         Faults.from_env("lose=0.1")
     with pytest.raises(ValueError, match="probability"):
         Faults.from_env("drop=2")
+    assert Faults.from_env("slow_step=0.01").slow_step == 0.01
+    with pytest.raises(ValueError, match="slow_step"):
+        Faults.from_env("slow_step=-1")
 
 
 def test_no_faults_sends_everything_once_in_order():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.engine.engine import Engine
@@ -70,8 +71,11 @@ class DecodeWorker(WorkerBase):
     def step(self, now: float) -> list[Action]:
         self.set_threads(other_role_idle=not self.core.prefill_pending())
         actions: list[Action] = []
-        for out in self._engine.step():
+        outputs = self._engine.step()
+        for out in outputs:
             actions += self.core.engine_output(self.to_message(out), now)
+        if outputs and self.faults and self.faults.slow_step:
+            time.sleep(self.faults.slow_step)
         return actions
 
     def tick(self, now: float) -> list[Action]:
