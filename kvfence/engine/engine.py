@@ -83,7 +83,7 @@ class Engine:
         seq.stamped = len(grants)  # prefill wrote these tag records, checked on landing
         self.seqs[req.rid] = seq
         self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit)
-        self.scheduler.running.append(seq)
+        self.scheduler.add_running(seq)
         out = self.trackers[req.rid].append(first_token)
         if out.finished:
             self._end(seq, out)
@@ -189,8 +189,10 @@ class Engine:
         return out
 
     def _end(self, seq: Sequence, last: RequestOutput | None = None) -> None:
-        """Forget ``seq`` and free its pages; ``last`` (its final output) records the grants it read."""
+        """Forget ``seq`` and free its pages; ``last`` (its final output) records the grants it read and how often
+        it was preempted."""
         if last is not None:
             last.pages = [(g.page, g.epoch) for g in seq.grants]
+            last.preemptions = seq.preemptions
         self.scheduler.remove(seq)
         del self.seqs[seq.rid], self.trackers[seq.rid]
