@@ -360,9 +360,16 @@ async def test_several_prompts_are_400():
         ({"stop": [""]}, "stop"),
         ({"stream": "yes please"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"the": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.[0]"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -70,7 +70,7 @@ from kvfence.router.fair import FairPool
 from kvfence.router.ledger import Ledger, RequestEnd
 from kvfence.router.limits import EdgeLimits
 from kvfence.router.metrics import CONTENT_TYPE, Metrics
-from kvfence.router.responses import DONE, Format, error_body, sse
+from kvfence.router.responses import DONE, Format, Tokens, error_body, sse
 from kvfence.router.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -281,7 +281,9 @@ class OpenAIServer:
             self.ledger.record(self._end(job).rejected(_as_kvfence(err)))
             raise
         assert job.body is not None
-        fmt = Format.for_request(call.chat, call.rid, call.created, self.engine.model_name, job.body.include_usage)
+        spell = self.tokenizer.token_bytes if job.body.logprobs_wanted is not None else None
+        fmt = Format.for_request(call.chat, call.rid, call.created, self.engine.model_name, job.body.include_usage,
+                                 spell)
         gen = Generation(self.engine, request, self._end(job), self.ledger)
         if job.body.stream:
             return await self._stream(http, gen, fmt)
@@ -344,7 +346,15 @@ class OpenAIServer:
             err = ContextLengthExceeded(prompt_len, max_tokens, limit)
             err.param = call.param
             raise err
-        return EngineRequest(job.prompt_ids, body.sampling_params(max_tokens), tenant=call.tenant, rid=call.rid)
+        params = body.sampling_params(max_tokens)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}).",
+                                 param="min_tokens")
+        named = {"logit_bias": [t for t, _ in params.logit_bias], "stop_token_ids": params.stop_token_ids}
+        for param, ids in named.items():
+            if ids:
+                self._checked_ids(list(ids), param=param)
+        return EngineRequest(job.prompt_ids, params, tenant=call.tenant, rid=call.rid)
 
     async def _complete(self, http: Request, gen: Generation, fmt: Format) -> Response:
         gone = False
@@ -360,7 +370,7 @@ class OpenAIServer:
         finally:
             await gen.close(client_gone=gone)
         text = "".join(o.text for o in outs)
-        return JSONResponse(fmt.completion(text, outs[-1].finish_reason, *gen.usage()))
+        return JSONResponse(fmt.completion(text, outs[-1].finish_reason, *gen.usage(), tokens_of(outs)))
 
     async def _stream(self, http: Request, gen: Generation, fmt: Format) -> Response:
         try:
@@ -397,6 +407,11 @@ class OpenAIServer:
         return ids
 
 
+def tokens_of(outs: list[RequestOutput], offset: int = 0) -> Tokens:
+    """The tokens of ``outs`` and the logprobs they carry (each token has one when the request asked)."""
+    return Tokens([t for o in outs for t in o.token_ids], [lp for o in outs for lp in o.logprobs or ()], offset)
+
+
 def _as_kvfence(err: Exception) -> KvfenceError:
     """``err`` as the ledger records it: a ``KvfenceError`` as is, anything else an internal error (500)."""
     return err if isinstance(err, KvfenceError) else KvfenceError("Internal server error.")
@@ -410,10 +425,11 @@ async def _events(gen: Generation, fmt: Format, first: RequestOutput) -> AsyncIt
     try:
         for chunk in fmt.opening():
             yield sse(chunk)
-        out = first
+        out, offset = first, 0
         while True:
-            if out.text:
-                yield sse(fmt.delta(out.text))
+            if out.text or out.logprobs:
+                yield sse(fmt.delta(out.text, tokens_of([out], offset)))
+                offset += len(out.text)
             if out.finished:
                 break
             out = await gen.next()

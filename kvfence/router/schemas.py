@@ -9,8 +9,8 @@
   JSON boolean, a string a JSON string (a float may be given as a JSON integer);
 - an unknown field is a 400 naming it, as OpenAI answers ("Unrecognized request argument supplied"), vLLM and
   SGLang extensions included: a request is never answered while part of it was silently ignored;
-- ``check()`` rejects what parses but cannot be honoured (``n > 1``, logprobs, tools, penalties, ...) unless it
-  has the value that means "off" (``NEUTRAL``).
+- ``check()`` rejects what parses but cannot be honoured (``n > 1``, tools, ...) unless it has the value that
+  means "off" (``NEUTRAL``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ B = TypeVar("B", bound=BaseModel)
 Number = float  # a JSON number; strict mode still takes a JSON integer for it
 _INT64 = 2**63
 _INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 1024  # entries
 
 
 def parse_body(raw: bytes, schema: type[B]) -> B:
@@ -183,8 +185,7 @@ class GenerateBody(BaseModel):
 
     model_config = STRICT
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-        "logit_bias": (None, {}), "min_tokens": (None, 0), "best_of": (None, 1), "store": (None, False),
+        "best_of": (None, 1), "store": (None, False),
         "service_tier": (None, "auto", "default"), "metadata": (None, {}),
     }
 
@@ -200,11 +201,13 @@ class GenerateBody(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension
     user: str | None = None
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    repetition_penalty: Number | None = None  # extension
-    logit_bias: dict[str, Number] | None = None
-    min_tokens: int | None = None  # extension
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(None, gt=0, le=100)  # extension
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    min_tokens: int | None = Field(None, ge=0, le=_INT32_MAX)  # extension
+    min_p: Number | None = Field(None, ge=0, le=1)  # extension
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_INT32_MAX)]] | None = Field(None, max_length=256)  # extension
     best_of: int | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -219,6 +222,22 @@ class GenerateBody(BaseModel):
         for name, neutral in self.NEUTRAL.items():
             if getattr(self, name) not in neutral:
                 raise InvalidRequest(f"'{name}' is not supported by this server.", param=name)
+        self.bias()
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; its keys must be token ids written in decimal."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) > _INT32_MAX:
+                raise InvalidRequest(f"Invalid key in 'logit_bias': {key[:40]!r} is not a token id.",
+                                     param="logit_bias")
+            pairs.append((int(key), float(value)))
+        return tuple(sorted(pairs))
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        """How many top logprobs each token carries; None when logprobs are off."""
+        return None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -238,6 +257,14 @@ class GenerateBody(BaseModel):
             seed=self.seed,
             stop=self.stop,
             ignore_eos=bool(self.ignore_eos),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.bias(),
+            min_tokens=self.min_tokens or 0,
+            min_p=self.min_p or 0.0,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs=self.logprobs_wanted,
         )
 
 
@@ -263,7 +290,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerateBody):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = GenerateBody.NEUTRAL | {
-        "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+        "tools": (None, []), "functions": (None, []),
         "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
         "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
         "modalities": (None, ["text"]), "reasoning_effort": (None,), "audio": (None,), "prediction": (None,),
@@ -273,7 +300,7 @@ class ChatCompletionRequest(GenerateBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     functions: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -286,6 +313,15 @@ class ChatCompletionRequest(GenerateBody):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
 
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     @property
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the newer name) wins over ``max_tokens``."""
@@ -294,12 +330,16 @@ class ChatCompletionRequest(GenerateBody):
 
 class CompletionRequest(GenerateBody):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = GenerateBody.NEUTRAL | {
-        "logprobs": (None, 0), "echo": (None, False), "suffix": (None, "")}
+        "echo": (None, False), "suffix": (None, "")}
 
     prompt: Prompt
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class TokenizeRequest(BaseModel):
