@@ -108,11 +108,11 @@ class SamplingParams:
     """How to pick tokens. temperature 0 means greedy; top_k 0 and min_p 0 mean off.
 
     The logits pass, in order: repetition penalty (on every token of the prompt and the output so far, as
-    vLLM), presence and frequency penalties (output tokens only), ``logit_bias``, and the ban on end tokens
-    (EOS unless ``ignore_eos``, and ``stop_token_ids``) while fewer than ``min_tokens`` were generated; then
-    temperature, top-k, top-p and min-p pick the token. ``logprobs`` (k >= 0) asks for the chosen token's
-    log-probability and the k most likely, from the model's raw logits (before any of the above, vLLM's
-    default).
+    vLLM), presence and frequency penalties (output tokens only), ``logit_bias``, the ban on end tokens (EOS
+    unless ``ignore_eos``, and ``stop_token_ids``) while fewer than ``min_tokens`` were generated, and the
+    ``grammar``'s mask (an llguidance grammar, for structured output: ``engine/grammar.py``); then temperature,
+    top-k, top-p and min-p pick the token. ``logprobs`` (k >= 0) asks for the chosen token's log-probability
+    and the k most likely, from the model's raw logits (before any of the above, vLLM's default).
     """
 
     max_tokens: int
@@ -130,6 +130,7 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k's
+    grammar: str | None = None  # llguidance grammar the output must match (structured output)
 
     @property
     def greedy(self) -> bool:
@@ -139,7 +140,7 @@ class SamplingParams:
     def shapes_logits(self) -> bool:
         """Whether any penalty, bias or ban applies before the pick (else the raw logits decide)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.grammar is not None)
 
     def with_max_tokens(self, n: int) -> SamplingParams:
         return replace(self, max_tokens=n)

@@ -21,6 +21,7 @@ from kvfence.core import (
     RequestOutput,
     TokenLogprob,
 )
+from kvfence.engine.grammar import Guide, ll_tokenizer
 from kvfence.engine.output import OutputTracker
 from kvfence.engine.sampler import make_generator, sample, token_logprobs
 from kvfence.engine.scheduler import Scheduler, Sequence, Work
@@ -78,7 +79,7 @@ class Engine:
         self.check_token_ids(req)
         seq = Sequence(req, make_generator(req.params))
         self.seqs[req.rid] = seq
-        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit)
+        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit, self._guide(req))
         self.scheduler.add(seq)
 
     def check_token_ids(self, req: Request) -> None:
@@ -88,6 +89,11 @@ class Engine:
                            ("stop_token_ids", req.params.stop_token_ids)):
             if ids and not 0 <= min(ids) <= max(ids) < vocab:
                 raise InvalidRequest(f"Token ids in '{param}' must be between 0 and {vocab - 1}.", param=param)
+
+    def _guide(self, req: Request) -> Guide | None:
+        if req.params.grammar is None:
+            return None
+        return Guide(req.params.grammar, ll_tokenizer(self.tokenizer, self.model.config.vocab_size))
 
     def add_prefilled(self, req: Request, grants: list[PageGrant], first_token: int,
                       first_logprob: TokenLogprob | None = None) -> RequestOutput:
@@ -100,7 +106,7 @@ class Engine:
         seq.num_computed = req.prompt_len
         seq.stamped = len(grants)  # prefill wrote these tag records, checked on landing
         self.seqs[req.rid] = seq
-        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit)
+        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit, self._guide(req))
         self.scheduler.running.append(seq)
         out = self.trackers[req.rid].append(first_token, first_logprob)
         if out.finished:
@@ -193,7 +199,8 @@ class Engine:
         seqs = [work[i].seq for i in due]
         rows = logits if len(due) == len(work) else logits[due]  # [len(due), vocab]; no copy when all sample
         requests = [s.req for s in seqs]
-        tokens = sample(rows, requests, [s.generator for s in seqs], self.tokenizer.eos_token_ids)
+        guides = [self.trackers[s.rid].guide for s in seqs]
+        tokens = sample(rows, requests, [s.generator for s in seqs], self.tokenizer.eos_token_ids, guides)
         logprobs = token_logprobs(rows, requests, tokens) if any(r.params.logprobs is not None for r in requests) \
             else [None] * len(seqs)
         outputs = (self._on_token(*args) for args in zip(seqs, tokens, logprobs, strict=True))

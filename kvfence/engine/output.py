@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvfence.core import FinishReason, Request, RequestOutput, TokenLogprob
+from kvfence.engine.grammar import Guide
 from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -13,9 +14,11 @@ class OutputTracker:
     stop string never reaches the client, not even in part.
     """
 
-    def __init__(self, req: Request, tokenizer: Tokenizer, max_context: int) -> None:
-        """``max_context``: the most tokens (prompt + output) the request may reach; it ends there ("length")."""
+    def __init__(self, req: Request, tokenizer: Tokenizer, max_context: int, guide: Guide | None = None) -> None:
+        """``max_context``: the most tokens (prompt + output) the request may reach; it ends there ("length").
+        ``guide``: the request's grammar state; it consumes each token, and the request ends once it is done."""
         self.req = req
+        self.guide = guide
         eos = frozenset() if req.params.ignore_eos else tokenizer.eos_token_ids
         self.end_ids = eos | frozenset(req.params.stop_token_ids)  # end the request, without text
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -28,6 +31,8 @@ class OutputTracker:
         until then)."""
         req = self.req
         req.output_ids.append(token)
+        if self.guide is not None:
+            self.guide.accept(token)
         finish = None
         if token in self.end_ids:
             finish = FinishReason.STOP
@@ -35,6 +40,8 @@ class OutputTracker:
             self.text += self.detok.push(token)
             if len(req.output_ids) >= req.params.min_tokens:
                 finish = self._find_stop()
+            if finish is None and self.guide is not None and self.guide.done:
+                finish = FinishReason.STOP
         if finish is None and (len(req.output_ids) >= req.params.max_tokens or
                                req.prompt_len + len(req.output_ids) >= self.max_context):
             finish = FinishReason.LENGTH

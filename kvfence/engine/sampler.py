@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvfence.core import Request, SamplingParams, TokenLogprob
+from kvfence.engine.grammar import Guide
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -22,9 +23,10 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator | None],
-           eos: frozenset[int]) -> list[int]:
+           eos: frozenset[int], guides: list[Guide | None] | None = None) -> list[int]:
     """Pick one token per row of float32 ``logits`` [B, vocab] (not modified); ``eos``: the model's end tokens,
-    banned with ``stop_token_ids`` while a request has fewer than ``min_tokens``."""
+    banned with ``stop_token_ids`` while a request has fewer than ``min_tokens``; ``guides``: each request's
+    grammar state, for those with a ``grammar``."""
     tokens = greedy(logits)  # for all rows, overwritten below where shaping or sampling
     for i, (req, gen) in enumerate(zip(requests, generators, strict=True)):
         p = req.params
@@ -32,13 +34,13 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch
             continue
         row = logits[i].cpu()  # on the CPU, where its generator is, so a seed draws alike on any device
         if p.shapes_logits:
-            row = shape(row.clone(), req, eos)
+            row = shape(row.clone(), req, eos, guides[i] if guides else None)
         tokens[i] = int(row.numpy().argmax()) if p.greedy else _sample_row(row, p, gen)
     return tokens
 
 
-def shape(row: torch.Tensor, req: Request, eos: frozenset[int]) -> torch.Tensor:
-    """``row`` (modified in place) after the penalties, ``logit_bias`` and the ``min_tokens`` ban."""
+def shape(row: torch.Tensor, req: Request, eos: frozenset[int], guide: Guide | None = None) -> torch.Tensor:
+    """``row`` (modified in place) after the penalties, ``logit_bias``, the ``min_tokens`` ban and the grammar."""
     p, output = req.params, req.output_ids
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.prompt_ids).union(output)))
@@ -53,6 +55,8 @@ def shape(row: torch.Tensor, req: Request, eos: frozenset[int]) -> torch.Tensor:
     if len(output) < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
         row[sorted(banned)] = float("-inf")
+    if guide is not None:
+        guide.mask(row)
     return row
 
 

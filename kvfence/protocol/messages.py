@@ -63,6 +63,7 @@ class Params(msgspec.Struct, frozen=True):
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    grammar: str | None = None
 
     @classmethod
     def of(cls, p: SamplingParams) -> Params:

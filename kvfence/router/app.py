@@ -63,6 +63,7 @@ from kvfence.core import (
 )
 from kvfence.core import Request as EngineRequest
 from kvfence.engine.client import EngineClient
+from kvfence.engine.grammar import grammar_for
 from kvfence.router.admin import ManagedEngine, ModelAccess, admin_router, managed
 from kvfence.router.edge import EdgeGuard, error_headers, path_param
 from kvfence.router.exposure import FailedLogins, Gate, public_body
@@ -223,11 +224,13 @@ class Call:
 
 @dataclass
 class Job:
-    """A call being prepared: its body once parsed, its prompt once tokenized (filled in on a worker thread)."""
+    """A call being prepared: its body once parsed, its prompt once tokenized and its grammar once compiled (filled
+    in on a worker thread)."""
 
     call: Call
     body: GenerateBody | None = None
     prompt_ids: list[int] = field(default_factory=list)
+    grammar: str | None = None  # from response_format (engine/grammar.py)
 
 
 class OpenAIServer:
@@ -302,6 +305,8 @@ class OpenAIServer:
         job.body = body = parse_body(raw, job.call.schema)
         self.check_model(body.model, job.call.tenant)
         if isinstance(body, ChatCompletionRequest):
+            if body.response_format is not None:
+                job.grammar = grammar_for(body.response_format.as_dict(), self.tokenizer)
             job.prompt_ids = self._encode(self._render([m.for_template() for m in body.messages]))
         elif isinstance(body.prompt, str):
             job.prompt_ids = self._encode(body.prompt)
@@ -346,7 +351,7 @@ class OpenAIServer:
             err = ContextLengthExceeded(prompt_len, max_tokens, limit)
             err.param = call.param
             raise err
-        params = body.sampling_params(max_tokens)
+        params = body.sampling_params(max_tokens, job.grammar)
         if params.min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}).",
                                  param="min_tokens")

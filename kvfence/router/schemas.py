@@ -247,8 +247,9 @@ class GenerateBody(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's view of this body, with ``max_tokens`` already settled by admission."""
+    def sampling_params(self, max_tokens: int, grammar: str | None = None) -> SamplingParams:
+        """The engine's view of this body, with ``max_tokens`` already settled by admission and the ``grammar``
+        compiled from ``response_format``."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -265,7 +266,33 @@ class GenerateBody(BaseModel):
             min_p=self.min_p or 0.0,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.logprobs_wanted,
+            grammar=grammar,
         )
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (output matching its ``schema``)."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise InvalidRequest("'response_format.json_schema' is required with type 'json_schema', and only then.",
+                                 param="response_format.json_schema")
+        schema = {"schema": self.json_schema.schema_} if self.json_schema else {}
+        return {"type": self.type} | ({"json_schema": schema} if schema else {})
 
 
 class ChatMessage(BaseModel):
@@ -292,7 +319,7 @@ class ChatCompletionRequest(GenerateBody):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = GenerateBody.NEUTRAL | {
         "tools": (None, []), "functions": (None, []),
         "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
-        "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
+        "parallel_tool_calls": (None, True, False),
         "modalities": (None, ["text"]), "reasoning_effort": (None,), "audio": (None,), "prediction": (None,),
         "web_search_options": (None,),
     }
@@ -305,7 +332,7 @@ class ChatCompletionRequest(GenerateBody):
     functions: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     reasoning_effort: str | None = None
@@ -317,6 +344,8 @@ class ChatCompletionRequest(GenerateBody):
         super().check()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        if self.response_format is not None:
+            self.response_format.as_dict()
 
     @property
     def logprobs_wanted(self) -> int | None:
