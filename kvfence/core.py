@@ -149,6 +149,7 @@ class SamplingParams:
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"  # the router's: a stop whose text held tool calls
     ABORT = "abort"
     ERROR = "error"
 

@@ -131,3 +131,16 @@ def test_a_json_schema_answer_is_valid_json_of_that_shape_and_the_same_on_both_s
         answers.append(json.loads(reply.choices[0].message.content))
     assert answers[0] == answers[1] and set(answers[0]) == {"city", "country"}
     assert "Paris" in answers[0]["city"]
+
+
+def test_a_required_tool_call_names_the_tool_and_the_city(server):
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                       "required": ["city"], "additionalProperties": False}}}
+    reply = server.client("sk-alice").chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "What is the weather in Paris right now?"}],
+        tools=[weather], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}

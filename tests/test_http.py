@@ -362,7 +362,7 @@ async def test_several_prompts_are_400():
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools.[0].function"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"logit_bias": {"the": 1}}, "logit_bias"),
@@ -411,7 +411,7 @@ async def test_unknown_fields_are_400_naming_them_as_openai_does(field):
         assert_error(nested, 400, "invalid_request_error", f"messages.[0].{field}")
         history = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function"}]}]
         calls = await c.post("/v1/chat/completions", json=chat_body(messages=history))
-        assert_error(calls, 400, "invalid_request_error", "messages.tool_calls")
+        assert_error(calls, 400, "invalid_request_error", "messages.[0].tool_calls.[0].function")  # malformed
     assert engine.requests == []
 
 

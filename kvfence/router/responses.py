@@ -13,6 +13,7 @@ from itertools import accumulate
 import msgspec
 
 from kvfence.core import FinishReason, TokenLogprob
+from kvfence.router.tools import ToolCall
 
 _encode = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
@@ -69,11 +70,15 @@ class Format:
         prefix = "chatcmpl-" if chat else "cmpl-"
         return cls(chat, f"{prefix}{rid:032x}", created, model, include_usage, token_bytes)
 
-    def completion(self, text: str, finish: FinishReason, prompt_tokens: int, completion_tokens: int,
-                   tokens: Tokens = NO_TOKENS) -> dict:
-        """The whole (non-streaming) response."""
+    def completion(self, text: str | None, finish: FinishReason, prompt_tokens: int, completion_tokens: int,
+                   tokens: Tokens = NO_TOKENS, calls: Sequence[ToolCall] = ()) -> dict:
+        """The whole (non-streaming) response; ``calls``: the tool calls read from the text (``text`` is what
+        remains, None when nothing does)."""
+        if calls and finish is FinishReason.STOP:
+            finish = FinishReason.TOOL_CALLS
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message | ({"tool_calls": [c.as_dict() for c in calls]} if calls else {})}
         else:
             choice = {"index": 0, "text": text}
         choice |= {"logprobs": self._logprobs(tokens), "finish_reason": finish.value}
@@ -86,6 +91,10 @@ class Format:
 
     def delta(self, text: str, tokens: Tokens = NO_TOKENS) -> dict:
         return self._chunk({"content": text} if self.chat else text, None, self._logprobs(tokens))
+
+    def tool_call(self, index: int, call: ToolCall) -> dict:
+        """A chat chunk carrying one whole tool call (``index``: its place among the response's calls)."""
+        return self._chunk({"tool_calls": [call.as_dict(index)]}, None)
 
     def finish(self, finish: FinishReason) -> dict:
         return self._chunk({} if self.chat else "", finish.value)

@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kvfence.core import InvalidRequest, SamplingParams
+from kvfence.router.tools import CLOSE, OPEN, ToolUse
 
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate can enter valid UTF-8 JSON
@@ -295,6 +296,67 @@ class ResponseFormat(BaseModel):
         return {"type": self.type} | ({"json_schema": schema} if schema else {})
 
 
+class FunctionDef(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+def _tool_choice(value: object) -> object:
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict):
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValidationError:
+            pass
+    raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': "
+                     "NAME}}")
+
+
+ToolChoice = Annotated[str | NamedToolChoice | None, BeforeValidator(_tool_choice)]
+
+
+class CalledFunction(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str  # JSON text
+
+
+class HistoryToolCall(BaseModel):
+    """A call the assistant made earlier in the conversation."""
+
+    model_config = STRICT
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
@@ -302,24 +364,40 @@ class ChatMessage(BaseModel):
     content: TextContent = ""
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[HistoryToolCall] | None = None
     refusal: str | None = None
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self, knows_tools: bool = False) -> dict[str, Any]:
         """The message as a chat template expects it (``developer`` is the newer name for ``system``); ``name``
-        and ``tool_call_id`` go to the template too."""
-        if self.tool_calls:
-            raise InvalidRequest("'tool_calls' in messages are not supported by this server.",
-                                 param="messages.tool_calls")
-        extra = {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None}
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content, **extra}
+        and ``tool_call_id`` go to the template too. Earlier tool calls go as ``tool_calls`` (arguments as
+        objects) to a template that ``knows_tools``, else as ``<tool_call>`` blocks in the content, and a tool
+        result in ``<tool_response>`` tags."""
+        extra: dict[str, Any] = {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id))
+                                 if v is not None}
+        content = self.content
+        if self.tool_calls and knows_tools:
+            extra["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        elif self.tool_calls:
+            blocks = [json.dumps({"name": c.function.name, "arguments": _json_or_text(c.function.arguments)},
+                                 ensure_ascii=False) for c in self.tool_calls]
+            calls = [f"{OPEN}\n{b}\n{CLOSE}" for b in blocks]
+            content = "\n".join([content, *calls] if content else calls)
+        elif self.role == "tool" and not knows_tools:
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        return {"role": "system" if self.role == "developer" else self.role, "content": content, **extra}
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(GenerateBody):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = GenerateBody.NEUTRAL | {
-        "tools": (None, []), "functions": (None, []),
-        "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
-        "parallel_tool_calls": (None, True, False),
+        "functions": (None, []), "function_call": (None, "none", "auto"),
         "modalities": (None, ["text"]), "reasoning_effort": (None,), "audio": (None,), "prediction": (None,),
         "web_search_options": (None,),
     }
@@ -328,9 +406,9 @@ class ChatCompletionRequest(GenerateBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=128)
     functions: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: ToolChoice = None
     function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
@@ -346,6 +424,22 @@ class ChatCompletionRequest(GenerateBody):
             raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
         if self.response_format is not None:
             self.response_format.as_dict()
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise InvalidRequest("tool_choice needs tools.", param="tool_choice")
+        uses = self.tool_use()
+        if uses is not None and uses.grammar() is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise InvalidRequest("A required tool call and a response_format cannot be combined.",
+                                 param="response_format")
+
+    def tool_use(self) -> ToolUse | None:
+        """The tools and how they may be used; None without tools."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice or "auto"
+        return ToolUse([t.model_dump(exclude_none=True) for t in self.tools],
+                       choice if isinstance(choice, str) else choice.model_dump(),
+                       self.parallel_tool_calls is not False)
 
     @property
     def logprobs_wanted(self) -> int | None:
