@@ -26,22 +26,37 @@ Chat = list[dict[str, str]]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """vLLM's defaults: 16 tokens at temperature 1. ``temperature=0`` is greedy; ``top_k`` 0 or -1 is off."""
+    """vLLM's defaults: 16 tokens at temperature 1. ``temperature=0`` is greedy; ``top_k`` 0 or -1 is off.
+    ``core.SamplingParams`` says how the penalties, bias and bans shape the logits, and where logprobs come from."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
 
     def for_engine(self) -> core.SamplingParams:
-        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1:
+        if (self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1
+                or not 0 <= self.min_p <= 1 or not 0 <= self.min_tokens <= self.max_tokens
+                or self.repetition_penalty <= 0 or (self.logprobs is not None and self.logprobs < 0)):
             raise ValueError(f"invalid sampling parameters: {self}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return core.SamplingParams(self.max_tokens, self.temperature, self.top_p, max(self.top_k, 0), self.seed,
-                                   stop, self.ignore_eos)
+        return core.SamplingParams(
+            self.max_tokens, self.temperature, self.top_p, max(self.top_k, 0), self.seed, stop, self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            min_tokens=self.min_tokens, min_p=self.min_p, stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs=self.logprobs)
 
 
 @dataclass
@@ -50,6 +65,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[core.TokenLogprob] | None = None  # one per token, when ``SamplingParams.logprobs`` is set
 
 
 @dataclass
@@ -122,6 +138,8 @@ class LLM:
                     done = results[out.rid].outputs[0]
                     done.text += out.text
                     done.token_ids += out.token_ids
+                    if out.logprobs is not None:
+                        done.logprobs = (done.logprobs or []) + out.logprobs
                     if out.finished:
                         done.finish_reason = out.finish_reason.value
                         pending.discard(out.rid)

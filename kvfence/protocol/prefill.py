@@ -33,7 +33,7 @@ from enum import Enum
 
 import msgspec
 
-from kvfence.core import ContextLengthExceeded, IntegrityError, KvfenceError, ServiceUnavailable
+from kvfence.core import ContextLengthExceeded, IntegrityError, KvfenceError, ServiceUnavailable, TokenLogprob
 from kvfence.protocol.actions import Action, Send, StartPrefill, StopPrefill
 from kvfence.protocol.messages import (
     Abort,
@@ -128,11 +128,12 @@ class PrefillCore:
             return []
         return [Send(req.decode, Progress(rid, tokens))]
 
-    def computed(self, rid: int, tokens: int, checksum: int, first_token: int) -> list[Action]:
+    def computed(self, rid: int, tokens: int, checksum: int, first_token: int,
+                 first_logprob: TokenLogprob | None = None) -> list[Action]:
         """The runner finished: every write has landed."""
         req = self.reqs.pop(rid)
         if req.state is PState.COMPUTING:
-            return [Send(req.decode, Done(rid, tokens, checksum, first_token))]
+            return [Send(req.decode, Done(rid, tokens, checksum, first_token, first_logprob))]
         if req.state is PState.ABORTING:
             return [Send(req.decode, AbortAck(rid))]
         if req.state is PState.CANCELLING:

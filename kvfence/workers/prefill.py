@@ -13,7 +13,7 @@ import os
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
-from kvfence.core import KvfenceError, Request, ServiceUnavailable
+from kvfence.core import KvfenceError, Request, ServiceUnavailable, TokenLogprob
 from kvfence.engine.engine import Engine
 from kvfence.engine.scheduler import Sequence, Work
 from kvfence.kvcache.layout import TAG_BYTES, KVLayout, tokens_per_page, transfer_checksum
@@ -40,6 +40,7 @@ class Shipment:
     sums: list[int] = field(default_factory=list)
     futures: list[Future] = field(default_factory=list)
     first_token: int | None = None
+    first_logprob: TokenLogprob | None = None
     stopped: bool = False
 
     def drained(self) -> bool:
@@ -105,8 +106,9 @@ class PrefillRunner(Engine):
             self._ship(w.seq, final=False)
             self.progressed[w.seq.rid] = w.end
 
-    def _on_token(self, seq: Sequence, token: int) -> None:
-        self.shipments[seq.rid].first_token = token
+    def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        ship = self.shipments[seq.rid]
+        ship.first_token, ship.first_logprob = token, logprob
         self._ship(seq, final=True)
         self._detach(seq)
         return None
@@ -223,7 +225,8 @@ class PrefillWorker(WorkerBase):
                 log.warning("request %032x: KV transfer to %s failed: %s", rid, ship.start.decode, err)
                 actions += self.core.compute_failed(rid, ServiceUnavailable(f"KV transfer failed: {err}"))
             else:
-                actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), ship.first_token or 0)
+                actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), ship.first_token or 0,
+                                             ship.first_logprob)
         return actions
 
     def has_work(self) -> bool:
