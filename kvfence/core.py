@@ -112,7 +112,8 @@ class SamplingParams:
     unless ``ignore_eos``, and ``stop_token_ids``) while fewer than ``min_tokens`` were generated, and the
     ``grammar``'s mask (an llguidance grammar, for structured output: ``engine/grammar.py``); then temperature,
     top-k, top-p and min-p pick the token. ``logprobs`` (k >= 0) asks for the chosen token's log-probability
-    and the k most likely, from the model's raw logits (before any of the above, vLLM's default).
+    and the k most likely, from the model's raw logits (before any of the above, vLLM's default);
+    ``prompt_logprobs`` the same for every prompt token after the first (what echo with logprobs shows).
     """
 
     max_tokens: int
@@ -130,6 +131,7 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k's
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's (from the second on) and the top k's
     grammar: str | None = None  # llguidance grammar the output must match (structured output)
 
     @property
@@ -198,6 +200,7 @@ class RequestOutput:
     queue_time: float | None = None  # on the first output: seconds the request waited in the router's queue
     preemptions: int = 0  # on the last output: times a worker preempted it (reported by the worker side)
     logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids`` when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first output, when asked: prompt tokens 2..n
 
     @property
     def finished(self) -> bool:

@@ -44,11 +44,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def for_engine(self) -> core.SamplingParams:
         if (self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1
                 or not 0 <= self.min_p <= 1 or not 0 <= self.min_tokens <= self.max_tokens
-                or self.repetition_penalty <= 0 or (self.logprobs is not None and self.logprobs < 0)):
+                or self.repetition_penalty <= 0 or min(self.logprobs or 0, self.prompt_logprobs or 0) < 0):
             raise ValueError(f"invalid sampling parameters: {self}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return core.SamplingParams(
@@ -56,7 +57,7 @@ class SamplingParams:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted((self.logit_bias or {}).items())),
             min_tokens=self.min_tokens, min_p=self.min_p, stop_token_ids=tuple(self.stop_token_ids or ()),
-            logprobs=self.logprobs)
+            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[core.TokenLogprob] | None = None  # prompt tokens 2..n, with SamplingParams.prompt_logprobs
     finished: bool = True
 
 
@@ -135,6 +137,8 @@ class LLM:
                 for out in self.engine.step():
                     if out.error is not None:
                         raise out.error
+                    if out.prompt_logprobs is not None:
+                        results[out.rid].prompt_logprobs = out.prompt_logprobs
                     done = results[out.rid].outputs[0]
                     done.text += out.text
                     done.token_ids += out.token_ids

@@ -152,3 +152,44 @@ def test_bad_sampling_values_are_400s_naming_the_param(disaggregated, body, para
     assert resp.json()["error"]["param"] == param and resp.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
         disaggregated.client().chat.completions.create(model="llama", messages=CHAT, extra_body=body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_returns_the_prompt_and_its_logprobs_line_up_with_generation(colocated, disaggregated, stream):
+    """A prompt token's echoed logprob is the logprob the model gave that token when it generated it."""
+    prompt = [1000 + 37 * i for i in range(20)]  # token ids; 20 tokens spans two pages
+    for server in (colocated, disaggregated):
+        client = server.client()
+        first = client.completions.create(model="llama", prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
+        generated = first.choices[0].logprobs.token_logprobs[0]
+        token = token_id(server, first.choices[0].logprobs.tokens[0])
+        kw = {"model": "llama", "prompt": prompt + [token], "max_tokens": 3, "temperature": 0, "echo": True,
+              "logprobs": 2, "extra_body": {"ignore_eos": True}}
+        if stream:
+            chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+            text = "".join(c.text for c in chunks)
+            values = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+            top = [d for c in chunks if c.logprobs for d in c.logprobs.top_logprobs]
+        else:
+            reply = client.completions.create(**kw)
+            # The first prompt token has no logprob: null, as OpenAI's API and vLLM answer, though the openai
+            # package's type says float; everything else validates.
+            dump = reply.model_dump()
+            for key in ("token_logprobs", "top_logprobs"):
+                assert dump["choices"][0]["logprobs"][key].pop(0) is None
+            Completion.model_validate(dump)
+            text, values, top = (reply.choices[0].text, reply.choices[0].logprobs.token_logprobs,
+                                 reply.choices[0].logprobs.top_logprobs)
+        echoed = raw(server, "/detokenize", {"tokens": prompt + [token]}).json()["prompt"]
+        assert text.startswith(echoed) and len(text) > len(echoed)
+        assert len(values) == len(prompt) + 1 + 3 and values[0] is None and top[0] is None
+        assert values[len(prompt)] == pytest.approx(generated, abs=1e-4)
+        assert all(len(d) <= 2 and max(d.values()) >= v for d, v in zip(top[1:], values[1:], strict=True))
+
+
+def test_echo_without_logprobs_is_the_prompt_text_then_the_completion(disaggregated):
+    client = disaggregated.client()
+    plain = client.completions.create(model="llama", prompt="Once upon a time", **GREEDY)
+    echoed = client.completions.create(model="llama", prompt="Once upon a time", echo=True, **GREEDY)
+    assert echoed.choices[0].text == "Once upon a time" + plain.choices[0].text
+    assert echoed.choices[0].logprobs is None and echoed.usage == plain.usage

@@ -23,7 +23,7 @@ from kvfence.core import (
 )
 from kvfence.engine.grammar import Guide, ll_tokenizer
 from kvfence.engine.output import OutputTracker
-from kvfence.engine.sampler import make_generator, sample, token_logprobs
+from kvfence.engine.sampler import logprob_of, make_generator, sample, token_logprobs
 from kvfence.engine.scheduler import Scheduler, Sequence, Work
 from kvfence.kvcache.pages import PageError, PageGrant, PageState, PageTable
 from kvfence.kvcache.pool import KVPool
@@ -96,7 +96,8 @@ class Engine:
         return Guide(req.params.grammar, ll_tokenizer(self.tokenizer, self.model.config.vocab_size))
 
     def add_prefilled(self, req: Request, grants: list[PageGrant], first_token: int,
-                      first_logprob: TokenLogprob | None = None) -> RequestOutput:
+                      first_logprob: TokenLogprob | None = None,
+                      prompt_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         """Take over a request whose prompt KV already sits, verified, in ``grants``; continue decoding.
 
         The pages must be held by ``req.rid`` in this engine's page table.
@@ -108,6 +109,7 @@ class Engine:
         self.seqs[req.rid] = seq
         self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit, self._guide(req))
         self.scheduler.add_running(seq)
+        self.trackers[req.rid].prompt_logprobs = prompt_logprobs or []
         out = self.trackers[req.rid].append(first_token, first_logprob)
         if out.finished:
             self._end(seq, out)
@@ -129,7 +131,10 @@ class Engine:
             return []
         work, outputs = self._verify(work)
         if work:
-            logits = self.model.forward([self._chunk(w) for w in work], self.pool)
+            scored = any(self._scores_prompt(w) for w in work)
+            logits = self.model.forward([self._chunk(w) for w in work], self.pool, all_logits=scored)
+            if scored:
+                logits = self._score_prompts(work, logits)
             outputs += self._sample(work, logits)
         return outputs
 
@@ -205,6 +210,25 @@ class Engine:
             else [None] * len(seqs)
         outputs = (self._on_token(*args) for args in zip(seqs, tokens, logprobs, strict=True))
         return [out for out in outputs if out is not None]
+
+    def _scores_prompt(self, w: Work) -> bool:
+        """Whether ``w`` computes prompt positions whose next token's logprob its request asked for."""
+        return w.seq.req.params.prompt_logprobs is not None and w.start < w.seq.req.prompt_len - 1
+
+    def _score_prompts(self, work: list[Work], logits: torch.Tensor) -> torch.Tensor:
+        """From every position's ``logits`` [sum(n), vocab]: record the prompt logprobs that were asked for (a
+        position once; a preempted request recomputes), and return each chunk's last row [len(work), vocab]."""
+        last, offset = [], 0
+        for w in work:
+            n = w.end - w.start
+            if self._scores_prompt(w):
+                req, scores = w.seq.req, self.trackers[w.seq.rid].prompt_logprobs
+                for pos in range(max(w.start, len(scores)), min(w.end, req.prompt_len - 1)):
+                    scores.append(logprob_of(logits[offset + pos - w.start], req.prompt_ids[pos + 1],
+                                             req.params.prompt_logprobs))
+            last.append(offset + n - 1)
+            offset += n
+        return logits[last]
 
     def _computed(self, work: list[Work]) -> None:
         """Hook: the K/V of every ``work`` item is now in the pool."""

@@ -19,6 +19,7 @@ class OutputTracker:
         ``guide``: the request's grammar state; it consumes each token, and the request ends once it is done."""
         self.req = req
         self.guide = guide
+        self.prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 2..n, as prefill computes them (if asked)
         eos = frozenset() if req.params.ignore_eos else tokenizer.eos_token_ids
         self.end_ids = eos | frozenset(req.params.stop_token_ids)  # end the request, without text
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -47,6 +48,8 @@ class OutputTracker:
             finish = FinishReason.LENGTH
         out = self._emit([token], finish)
         out.logprobs = None if logprob is None else [logprob]
+        if len(req.output_ids) == 1 and req.params.prompt_logprobs is not None:
+            out.prompt_logprobs = self.prompt_logprobs
         return out
 
     def _find_stop(self) -> FinishReason | None:

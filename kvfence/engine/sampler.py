@@ -68,14 +68,17 @@ def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[i
     the raw ``logits``; None for the others."""
     out: list[TokenLogprob | None] = [None] * len(requests)
     for i, req in enumerate(requests):
-        k = req.params.logprobs
-        if k is None:
-            continue
-        row = torch.log_softmax(logits[i].cpu().float(), -1)
-        top = torch.topk(row, k) if k else None
-        best = zip(top.indices.tolist(), top.values.tolist(), strict=True) if top is not None else ()
-        out[i] = TokenLogprob(max(float(row[tokens[i]]), FLOOR), tuple((t, max(v, FLOOR)) for t, v in best))
+        if req.params.logprobs is not None:
+            out[i] = logprob_of(logits[i], tokens[i], req.params.logprobs)
     return out
+
+
+def logprob_of(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """``token``'s log-probability under the raw logits ``row``, with the top ``k``."""
+    row = torch.log_softmax(row.cpu().float(), -1)
+    top = torch.topk(row, k) if k else None
+    best = zip(top.indices.tolist(), top.values.tolist(), strict=True) if top is not None else ()
+    return TokenLogprob(max(float(row[token]), FLOOR), tuple((t, max(v, FLOOR)) for t, v in best))
 
 
 def greedy(logits: torch.Tensor) -> list[int]:

@@ -25,6 +25,7 @@ class StartDecode:
     grants: list[PageGrant]
     first_token: int
     first_logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class Params(msgspec.Struct, frozen=True):
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     grammar: str | None = None
 
     @classmethod
@@ -129,6 +130,7 @@ class Done(RequestMsg, frozen=True):
     checksum: int
     first_token: int
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # when the request asked for them (echo)
 
 
 class Progress(RequestMsg, frozen=True):
@@ -166,6 +168,7 @@ class Output(RequestMsg, frozen=True):
     verification: str | None = None  # last only: how the landed KV was verified
     preemptions: int = 0  # last only: times decode preempted this request (the router counts them per tenant)
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # first only, when asked: prompt tokens 2..n
 
 
 class Reject(RequestMsg, frozen=True):

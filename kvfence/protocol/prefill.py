@@ -129,11 +129,12 @@ class PrefillCore:
         return [Send(req.decode, Progress(rid, tokens))]
 
     def computed(self, rid: int, tokens: int, checksum: int, first_token: int,
-                 first_logprob: TokenLogprob | None = None) -> list[Action]:
+                 first_logprob: TokenLogprob | None = None,
+                 prompt_logprobs: list[TokenLogprob] | None = None) -> list[Action]:
         """The runner finished: every write has landed."""
         req = self.reqs.pop(rid)
         if req.state is PState.COMPUTING:
-            return [Send(req.decode, Done(rid, tokens, checksum, first_token, first_logprob))]
+            return [Send(req.decode, Done(rid, tokens, checksum, first_token, first_logprob, prompt_logprobs))]
         if req.state is PState.ABORTING:
             return [Send(req.decode, AbortAck(rid))]
         if req.state is PState.CANCELLING:

@@ -233,6 +233,7 @@ class Job:
     body: GenerateBody | None = None
     prompt_ids: list[int] = field(default_factory=list)
     grammar: str | None = None  # from response_format or a required tool call (engine/grammar.py)
+    echo: str | None = None  # the prompt's text, when the completion starts with it
     tools: ToolUse | None = None  # set when the output is read for tool calls
 
 
@@ -292,8 +293,8 @@ class OpenAIServer:
                                  spell)
         gen = Generation(self.engine, request, self._end(job), self.ledger)
         if job.body.stream:
-            return await self._stream(http, gen, fmt, job.tools)
-        return await self._complete(http, gen, fmt, job.tools)
+            return await self._stream(http, gen, fmt, job)
+        return await self._complete(http, gen, fmt, job)
 
     def _end(self, job: Job) -> RequestEnd:
         """The ledger entry of ``job`` as far as it got, to be completed with its outcome."""
@@ -316,8 +317,10 @@ class OpenAIServer:
             job.prompt_ids = self._encode(self._chat_text(body.messages, tools))
         elif isinstance(body.prompt, str):
             job.prompt_ids = self._encode(body.prompt)
+            job.echo = body.prompt if body.echo else None
         else:
             job.prompt_ids = self._checked_ids(body.prompt)
+            job.echo = self.tokenizer.decode(body.prompt) if body.echo else None
 
     def tokenize(self, tenant: str, raw: bytes) -> dict:
         """On a worker thread: ``/tokenize``'s answer for ``raw`` (a ``TokenizeRequest``)."""
@@ -367,7 +370,7 @@ class OpenAIServer:
                 self._checked_ids(list(ids), param=param)
         return EngineRequest(job.prompt_ids, params, tenant=call.tenant, rid=call.rid)
 
-    async def _complete(self, http: Request, gen: Generation, fmt: Format, tools: ToolUse | None) -> Response:
+    async def _complete(self, http: Request, gen: Generation, fmt: Format, job: Job) -> Response:
         gone = False
         try:
             outs = await unless_disconnected(http.receive, gen.run_to_end)
@@ -382,11 +385,15 @@ class OpenAIServer:
             await gen.close(client_gone=gone)
         text: str | None = "".join(o.text for o in outs)
         calls: list[ToolCall] = []
-        if tools is not None:
-            text, calls = tools.parse(text)
-        return JSONResponse(fmt.completion(text, outs[-1].finish_reason, *gen.usage(), tokens_of(outs), calls))
+        if job.tools is not None:
+            text, calls = job.tools.parse(text)
+        tokens = tokens_of(outs)
+        if job.echo is not None:
+            echoed = echo_tokens(job, outs[0])
+            text, tokens = job.echo + text, Tokens(echoed.ids + tokens.ids, [*echoed.logprobs, *tokens.logprobs])
+        return JSONResponse(fmt.completion(text, outs[-1].finish_reason, *gen.usage(), tokens, calls))
 
-    async def _stream(self, http: Request, gen: Generation, fmt: Format, tools: ToolUse | None) -> Response:
+    async def _stream(self, http: Request, gen: Generation, fmt: Format, job: Job) -> Response:
         try:
             first = await unless_disconnected(http.receive, gen.next)
         except ClientGone:
@@ -396,7 +403,7 @@ class OpenAIServer:
             gen.failed(err)
             await gen.close()
             raise
-        return EventStream(_events(gen, fmt, first, tools), on_close=gen.close)
+        return EventStream(_events(gen, fmt, first, job), on_close=gen.close)
 
     def _max_tokens(self, body: GenerateBody, prompt_len: int) -> int:
         """The request's ``max_tokens``, or when omitted "up to the context limit" (at least one)."""
@@ -433,6 +440,12 @@ class OpenAIServer:
         return ids
 
 
+def echo_tokens(job: Job, first: RequestOutput) -> Tokens:
+    """The echoed prompt's tokens, with their logprobs (from the first output) when the request asked."""
+    scores = first.prompt_logprobs
+    return Tokens(job.prompt_ids, [None, *scores] if scores is not None else [])
+
+
 def tokens_of(outs: list[RequestOutput], offset: int = 0) -> Tokens:
     """The tokens of ``outs`` and the logprobs they carry (each token has one when the request asked)."""
     return Tokens([t for o in outs for t in o.token_ids], [lp for o in outs for lp in o.logprobs or ()], offset)
@@ -443,17 +456,20 @@ def _as_kvfence(err: Exception) -> KvfenceError:
     return err if isinstance(err, KvfenceError) else KvfenceError("Internal server error.")
 
 
-async def _events(gen: Generation, fmt: Format, first: RequestOutput, tools: ToolUse | None) -> AsyncIterator[bytes]:
-    """The SSE body: opening chunk, text deltas (and tool-call deltas, each call whole once its block closed),
-    finish chunk, usage chunk, ``[DONE]``.
+async def _events(gen: Generation, fmt: Format, first: RequestOutput, job: Job) -> AsyncIterator[bytes]:
+    """The SSE body: opening chunk, the echoed prompt, text deltas (and tool-call deltas, each call whole once its
+    block closed), finish chunk, usage chunk, ``[DONE]``.
 
     Settles ``gen``'s outcome; closing the engine iterator is ``EventStream``'s job.
     """
-    calls = CallStream(tools) if tools is not None else None
+    calls = CallStream(job.tools) if job.tools is not None else None
     try:
         for chunk in fmt.opening():
             yield sse(chunk)
         out, offset, called = first, 0, 0
+        if job.echo is not None:
+            yield sse(fmt.delta(job.echo, echo_tokens(job, first)))
+            offset = len(job.echo)
         while True:
             pieces: list[str | ToolCall] = [out.text] if calls is None else calls.feed(out.text)
             if out.finished and calls is not None:

@@ -45,7 +45,7 @@ class Tokens:
     the completion (``offset``, in characters: the legacy format's ``text_offset``)."""
 
     ids: list[int]
-    logprobs: Sequence[TokenLogprob] = ()
+    logprobs: Sequence[TokenLogprob | None] = ()  # None: the prompt's first token (echo), which has none
     offset: int = 0
 
 
@@ -128,8 +128,8 @@ class Format:
                                 for t, lp in pairs], "refusal": None}
         texts = [spell(t).decode(errors="replace") for t in tokens.ids]
         offsets = list(accumulate([len(s) for s in texts], initial=tokens.offset))[:-1]
-        return {"tokens": texts, "token_logprobs": [lp.logprob for _, lp in pairs],
-                "top_logprobs": [{spell(t).decode(errors="replace"): v for t, v in lp.top} for _, lp in pairs],
+        return {"tokens": texts, "token_logprobs": [lp and lp.logprob for _, lp in pairs],
+                "top_logprobs": [lp and {spell(t).decode(errors="replace"): v for t, v in lp.top} for _, lp in pairs],
                 "text_offset": offsets}
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:

@@ -241,6 +241,11 @@ class GenerateBody(BaseModel):
         return None
 
     @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The same for the prompt's tokens (echo with logprobs)."""
+        return None
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -267,6 +272,7 @@ class GenerateBody(BaseModel):
             min_p=self.min_p or 0.0,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.logprobs_wanted,
+            prompt_logprobs=self.prompt_logprobs_wanted,
             grammar=grammar,
         )
 
@@ -453,7 +459,7 @@ class ChatCompletionRequest(GenerateBody):
 
 class CompletionRequest(GenerateBody):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = GenerateBody.NEUTRAL | {
-        "echo": (None, False), "suffix": (None, "")}
+        "suffix": (None, "")}
 
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -463,6 +469,10 @@ class CompletionRequest(GenerateBody):
     @property
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class TokenizeRequest(BaseModel):

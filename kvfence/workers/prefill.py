@@ -41,6 +41,7 @@ class Shipment:
     futures: list[Future] = field(default_factory=list)
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     stopped: bool = False
 
     def drained(self) -> bool:
@@ -109,6 +110,8 @@ class PrefillRunner(Engine):
     def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         ship = self.shipments[seq.rid]
         ship.first_token, ship.first_logprob = token, logprob
+        if seq.req.params.prompt_logprobs is not None:
+            ship.prompt_logprobs = self.trackers[seq.rid].prompt_logprobs
         self._ship(seq, final=True)
         self._detach(seq)
         return None
@@ -226,7 +229,7 @@ class PrefillWorker(WorkerBase):
                 actions += self.core.compute_failed(rid, ServiceUnavailable(f"KV transfer failed: {err}"))
             else:
                 actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), ship.first_token or 0,
-                                             ship.first_logprob)
+                                             ship.first_logprob, ship.prompt_logprobs)
         return actions
 
     def has_work(self) -> bool:
