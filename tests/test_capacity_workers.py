@@ -4,18 +4,22 @@ production cores, engines, pools and shm data plane) with the tiny model.
 - Prefill stops computing a prompt whose client left, or whose handoff decode gave up on, between chunks.
 - Prefill's progress keeps a long handoff alive: the timeout measures a stalled handoff, not a long prompt.
 - Decode preempts by share and reports it in the last ``Output``, and the preempted request's greedy output is
-  the one it gets alone.
+  the one it gets alone; a real server counts it per tenant.
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 
+import httpx
 import pytest
 
 from kvfence.protocol.capacity import UNGATED
 from kvfence.protocol.prefill import PrefillCore
 from tests.pair import Pair
+from tests.server import Server
 from tests.tiny_models import tiny_model_dir
 
 CHUNK = 64  # the pair's chunk size; with step_tokens=64, one chunk a prefill step
@@ -120,3 +124,28 @@ def test_decode_preempts_the_flooding_tenant_and_reports_it(model):
         alone.run([ref])
         assert pair.results[rid].tokens == alone.results[ref].tokens and alone.results[ref].preemptions == 0
     assert_released(pair)
+
+
+def test_a_real_server_counts_decodes_preemptions_per_tenant(tmp_path):
+    """``kvfence serve`` with a 70-page pool: the router reserves 528 tokens (prompt + 512) for each of bob's two
+    600-token generations, so both go, and they outgrow the pool at decode. Decode preempts one, recomputes it,
+    both finish whole, and ``kvfence_preemptions_total{tenant="bob"}`` counts it (from ``Output.preemptions``)."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.bob]\napi_keys = ["sk-bob"]\n\n[admin]\napi_keys = ["sk-admin"]\n')
+    with Server("--model", str(tiny_model_dir("llama")), "--max-context", "640", "--kv-pool-tokens", "1120",
+                "--tenants", str(tenants)) as server:
+        bob = server.async_client("sk-bob", timeout=300)
+
+        async def generate(n: int) -> int:
+            model = (await bob.models.list()).data[0].id
+            reply = await bob.completions.create(model=model, prompt=[300 + 11 * n + i for i in range(16)],
+                                                 temperature=0, max_tokens=600, extra_body={"ignore_eos": True})
+            return reply.usage.completion_tokens
+
+        async def both() -> list[int]:
+            return await asyncio.gather(generate(0), generate(1))
+
+        assert asyncio.run(both()) == [600, 600]
+        metrics = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer sk-admin"}, timeout=10).text
+    counted = re.search(r'kvfence_preemptions_total\{tenant="bob"\} (\S+)', metrics)
+    assert counted is not None and float(counted[1]) >= 1, metrics[-2000:]
