@@ -22,7 +22,7 @@ from kvfence.protocol.messages import (
     WorkerDown,
 )
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
-from kvfence.protocol.router import RouterCore
+from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.safety import Safety
 
 R, P, D = "router", "prefill-0", "decode-0"
@@ -429,13 +429,18 @@ def test_router_without_deferred_abort_cancels_mid_transfer():
     assert core.client_gone(RID) == [Send(D, Cancel(RID))]
 
 
-def test_router_worker_death_ends_its_requests_with_503():
+def test_router_worker_death_retries_a_request_without_tokens_once_then_ends_it_with_503():
     core = router_core()
     core.submit(request())
     out = core.worker_down(P)
     assert [a.to for a in out[:3]] == ["prefill-1", D, "decode-1"] and out[0].msg == WorkerDown(P)
-    assert out[3].error.status == 503 and out[4] == Send(D, Cancel(RID))
-    assert core.reqs == {} and P not in core.workers
+    assert out[3] == Send(D, Cancel(RID))
+    retry = retry_rid(RID)
+    assert [(a.to, type(a.msg), a.msg.rid) for a in out[4:]] == [(D, Admit, retry), ("prefill-1", Prefill, retry)]
+    assert list(core.reqs) == [retry] and P not in core.workers
+    out = core.worker_down("prefill-1")  # the second attempt's worker dies too: no third
+    assert [a.error.status for a in out if isinstance(a, Deliver)] == [503] and out[-1] == Send(D, Cancel(retry))
+    assert core.reqs == {} and core.queued() == 0
 
 
 def test_router_prefill_reject_after_client_left_still_cancels_decode():
@@ -459,12 +464,13 @@ def test_router_treats_a_decode_hello_with_a_new_pid_as_a_restart():
     core.submit(request())
     restarted = Hello(D, "decode", "tcp://x", {"shm": "new"}, 1000, 64, free_pages=10, pid=42)
     out = core.worker_up(restarted)
-    assert [(a.to, a.msg) for a in out if isinstance(a, Send)] == [
+    assert [(a.to, a.msg) for a in out if isinstance(a, Send) and not isinstance(a.msg, Admit | Prefill)] == [
         ("prefill-0", WorkerDown(D)), ("prefill-1", WorkerDown(D)), ("decode-1", WorkerDown(D)),
         ("prefill-0", Peers({"decode-1": {}, D: {"shm": "new"}})),
         ("prefill-1", Peers({"decode-1": {}, D: {"shm": "new"}}))]
-    assert [a.error.status for a in out if isinstance(a, Deliver)] == [503]
-    assert core.reqs == {} and core.workers[D].hello is restarted and core.workers[D].in_flight == 0
+    assert [a for a in out if isinstance(a, Deliver)] == []  # no token yet: retried on another pair
+    assert list(core.reqs) == [retry_rid(RID)] and core.workers[D].hello is restarted
+    assert core.reqs[retry_rid(RID)].decode == "decode-1" and core.workers[D].in_flight == 0
     assert core.worker_up(restarted) == []  # its next heartbeat is just a heartbeat
 
 
