@@ -28,7 +28,7 @@ from kvfence.protocol.actions import Action, Deliver, Send
 from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
 from kvfence.protocol.messages import Admit, Envelope, Hello, Output
 from kvfence.protocol.router import RouterCore, WorkerInfo
-from kvfence.router.admin import RecentRoutes
+from kvfence.router.admin import RecentRoutes, Route
 from kvfence.safety import Safety
 from kvfence.workers.channel import Channel
 
@@ -124,8 +124,8 @@ class RemoteEngine:
             raise KeyError(worker)
         self._do(self.core.set_drained(worker, drained))
 
-    def route(self, rid: int) -> tuple[str, str] | None:
-        """The (prefill, decode) pair a recent request was sent to; ``None`` if it was never sent."""
+    def route(self, rid: int) -> Route | None:
+        """The pair a recent request was sent to last, with the decode worker's epoch; ``None`` if never sent."""
         return self._routes.get(rid)
 
     def _note_route(self, admit: Admit, decode: str) -> None:
@@ -133,7 +133,7 @@ class RemoteEngine:
         for worker in (admit.prefill, decode):
             self.assigned[worker] = self.assigned.get(worker, 0) + 1
         rid = self.core.reqs[admit.rid].client  # a retry travels under another id
-        self._routes.add(rid, admit.prefill, decode)
+        self._routes.add(rid, Route(admit.prefill, decode, self.core.epochs.get(decode, 0)))
         if rid in self._sinks:
             self._dispatched.setdefault(rid, time.monotonic())
 
