@@ -13,6 +13,7 @@ from kvfence.protocol.messages import (
     Done,
     ErrorInfo,
     Fail,
+    Fenced,
     Hello,
     Output,
     Params,
@@ -458,20 +459,23 @@ def test_router_treats_a_decode_hello_with_a_new_pid_as_a_restart():
     """Found by `kvfence verify --quick-restart`: a decode worker that restarted before the router noticed its death
     (a remote worker back within the heartbeat timeout) used to be taken for the same worker. Its old requests never
     ended, and prefill got the new descriptor without a WorkerDown, so a Dest from the dead incarnation made it write
-    into the new pool, whose (page, epoch) pairs start over and belong to other requests."""
+    into the new pool, whose (page, epoch) pairs start over and belong to other requests. Now the old incarnation
+    goes through worker_down, and the new one is told to join under the next membership epoch."""
     core = router_core()
     core.workers[D].hello = Hello(D, "decode", "tcp://x", {"shm": "old"}, 1000, 64, free_pages=10, pid=41)
     core.submit(request())
     restarted = Hello(D, "decode", "tcp://x", {"shm": "new"}, 1000, 64, free_pages=10, pid=42)
-    out = core.worker_up(restarted)
+    out = core.handle(D, restarted)
     assert [(a.to, a.msg) for a in out if isinstance(a, Send) and not isinstance(a.msg, Admit | Prefill)] == [
-        ("prefill-0", WorkerDown(D)), ("prefill-1", WorkerDown(D)), ("decode-1", WorkerDown(D)),
-        ("prefill-0", Peers({"decode-1": {}, D: {"shm": "new"}})),
-        ("prefill-1", Peers({"decode-1": {}, D: {"shm": "new"}}))]
+        ("prefill-0", WorkerDown(D)), ("prefill-1", WorkerDown(D)), ("decode-1", WorkerDown(D)), (D, Fenced(1))]
     assert [a for a in out if isinstance(a, Deliver)] == []  # no token yet: retried on another pair
-    assert list(core.reqs) == [retry_rid(RID)] and core.workers[D].hello is restarted
-    assert core.reqs[retry_rid(RID)].decode == "decode-1" and core.workers[D].in_flight == 0
-    assert core.worker_up(restarted) == []  # its next heartbeat is just a heartbeat
+    assert list(core.reqs) == [retry_rid(RID)] and core.reqs[retry_rid(RID)].decode == "decode-1"
+    assert D not in core.workers
+    out = core.handle(D, restarted, epoch=1)
+    assert [(a.to, a.msg) for a in out] == [("prefill-0", Peers({"decode-1": {}, D: {"shm": "new"}})),
+                                            ("prefill-1", Peers({"decode-1": {}, D: {"shm": "new"}}))]
+    assert core.workers[D].hello is restarted and core.workers[D].in_flight == 0
+    assert core.handle(D, restarted, epoch=1) == []  # its next heartbeat is just a heartbeat
 
 
 def test_router_keeps_a_restarted_prefill_and_its_requests():

@@ -44,11 +44,12 @@ Faults (``worker_down``):
   (under a fresh wire id, so no worker confuses the two attempts); one that
   has streamed ends with a 503, never retried.
 - A suspected worker gets no new request until it speaks again.
-- Fencing: a worker declared dead for its silence (``fenced``) may still be
-  running. Its membership epoch moves on; whatever it sends under an older
-  epoch is dropped and answered with ``Fenced`` (it then drops its requests
-  and says Hello under the new epoch), so nothing it computed for the
-  requests it held reaches a client.
+- Fencing: a worker's membership epoch moves on at each of its deaths, so
+  no two incarnations share one. One declared dead for its silence
+  (``fenced``) may still be running: whatever it sends under an older epoch
+  is dropped and answered with ``Fenced`` (it then drops its requests and
+  says Hello under the new epoch), so nothing it computed for the requests
+  it held reaches a client. A restarted process (epoch 0) joins the same way.
 """
 
 from __future__ import annotations
@@ -246,13 +247,15 @@ class RouterCore:
 
         A known decode worker with a new pid is a new process under the old id, restarted before its death was
         noticed: the old one goes through ``worker_down`` first, so its requests end and every prefill hears of
-        the death before it hears of the new pool. (Not so for prefill: messages queued for the dead process
-        reach the new one, which may still act on them, so decode must keep waiting for its answers.)
+        the death before it hears of the new pool, and the new one is told to join under the next epoch. (Not so
+        for prefill: messages queued for the dead process reach the new one, which may still act on them, so
+        decode must keep waiting for its answers.)
         """
         info = self.workers.get(hello.worker)
         actions: list[Action] = []
         if info is not None and hello.role == "decode" and info.hello.pid != hello.pid:
-            actions, info = self.worker_down(hello.worker), None
+            rejoin = Send(hello.worker, Fenced(self.epochs.get(hello.worker, 0) + 1))
+            return self.worker_down(hello.worker) + [rejoin]
         if self.fenced.pop(hello.worker, hello.pid) != hello.pid:  # a new process: the fenced one is gone
             actions += [Send(w, WorkerDown(hello.worker)) for w in self.workers]
         news = info is None or info.hello.data != hello.data
@@ -279,10 +282,11 @@ class RouterCore:
         if info is None:
             if fenced or self.fenced.pop(worker, None) is None:
                 return []
+            self.epochs[worker] += 1  # what its last incarnation sent is stale too
             return [Send(w, WorkerDown(worker)) for w in self.workers]  # decode may free what it kept for it
         self.suspected.discard(worker)
+        self.epochs[worker] = self.epochs.get(worker, 0) + 1
         if fenced:
-            self.epochs[worker] = self.epochs.get(worker, 0) + 1
             self.fenced[worker] = info.hello.pid
         actions: list[Action] = [Send(w, WorkerDown(worker, fenced)) for w in self.workers]
         died = f"the {info.hello.role} worker serving this request died"  # no address: clients see it

@@ -66,7 +66,7 @@ from kvfence.protocol.capacity import UNGATED, DispatchLimits, FairQueue, QueueP
 from kvfence.protocol.decode import DecodeCore, DecodeLimits, DState
 from kvfence.protocol.messages import Envelope, ErrorInfo, Fenced, Hello, Message, Output, Peers, Reject, WorkerDown
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits, PState
-from kvfence.protocol.router import RouterCore
+from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.safety import Safety
 
 ROUTER, PREFILL, DECODE = "router", "prefill-0", "decode-0"
@@ -155,7 +155,8 @@ class CheckConfig:
             raise ValueError("request ids must be distinct, non-zero and not the ghost's")
 
     def spec(self, rid: int) -> RequestSpec:
-        return next(r for r in self.requests if r.rid == rid)
+        """The request ``rid`` names: a client's id, or its retry's (``retry_rid``)."""
+        return next(r for r in self.requests if rid in (r.rid, retry_rid(r.rid)))
 
     def over_length(self, spec: RequestSpec) -> bool:
         """Over some role's limit: the client's fault, so it must never get tokens."""
@@ -808,9 +809,11 @@ class World:
 
     def _router_receive(self, src: str, msg: Message, epoch: int = 0) -> None:
         if isinstance(msg, Reject):
-            client = self.clients.get(msg.rid)
-            if client is not None and not client.ended and not client.gone and client.rejected_by is None:
-                self.clients[msg.rid] = client._replace(rejected_by=src, rejected_status=msg.error.status)
+            rid = self.cfg.spec(msg.rid).rid
+            client = self.clients.get(rid)
+            current = msg.rid in self.router.reqs  # not a Reject of an attempt the router already gave up
+            if current and client is not None and not client.ended and not client.gone and client.rejected_by is None:
+                self.clients[rid] = client._replace(rejected_by=src, rejected_status=msg.error.status)
         stale = epoch < self.router.epochs.get(src, 0)
         actions = self.router.handle(src, msg, epoch)
         if stale and any(isinstance(a, Deliver) for a in actions):
@@ -1004,12 +1007,16 @@ class World:
     def _fmt(self, msg: Message | Envelope) -> str:
         if isinstance(msg, Envelope):
             return f"{self._fmt(msg.msg)} (epoch {msg.epoch})"
-        return fmt(msg, {r.rid: r.name for r in self.cfg.requests} | {GHOST_RID: "ghost"})
+        return fmt(msg, {r.rid: r.name for r in self.cfg.requests} | {retry_rid(r.rid): r.name + "'" for r in
+                                                                        self.cfg.requests} | {GHOST_RID: "ghost"})
 
     def _name(self, rid: int) -> str:
         if rid == GHOST_RID:
             return "ghost"
-        return next((r.name for r in self.cfg.requests if r.rid == rid), str(rid))
+        for r in self.cfg.requests:
+            if rid in (r.rid, retry_rid(r.rid)):
+                return r.name + ("" if rid == r.rid else "'")  # A' is A's retry
+        return str(rid)
 
     def _writer(self, label: Label) -> str:
         if label.rid == 0:
@@ -1025,7 +1032,7 @@ class World:
             return 0
         if rid == GHOST_RID:
             return 1 << len(self.cfg.requests)
-        return 1 << next(i for i, r in enumerate(self.cfg.requests) if r.rid == rid)
+        return 1 << next(i for i, r in enumerate(self.cfg.requests) if rid in (r.rid, retry_rid(r.rid)))
 
     def _tenant_of_bit(self, bit: int) -> str:
         if bit == len(self.cfg.requests):
