@@ -118,8 +118,9 @@ class WorkerBase:
         if fenced.epoch <= self.channel.epoch:
             return []
         actions = self.drop_all(now)
-        log.error("%s worker %s: the router declared it dead (fenced at epoch %d); dropped what it held, rejoining "
-                  "under epoch %d", self.role, self.me, self.channel.epoch, fenced.epoch)
+        log.warning("%s worker %s: the router moved its membership epoch on (it declared this worker dead, or this "
+                    "process replaces one that died): dropped every request held, joining under epoch %d", self.role,
+                    self.me, fenced.epoch)
         self.channel.epoch = fenced.epoch
         return actions
 
