@@ -147,9 +147,8 @@ class RouterCore:
         self.workers: dict[str, WorkerInfo] = {}
         self.drained: set[str] = set()  # worker ids; kept across a worker's death, so a restart stays drained
         self.suspected: set[str] = set()  # live workers gone quiet: no new request until they speak
-        self.epochs: dict[str, int] = {}  # worker id -> its membership epoch (absent: 0), moved on by fencing
-        self.fenced: dict[str, int] = {}  # worker -> pid: declared dead for silence, not known to have exited or
-        # come back
+        self.epochs: dict[str, int] = {}  # worker id -> its membership epoch (absent: 0), moved on at each death
+        self.fenced: dict[str, int] = {}  # worker -> pid, while declared dead for silence but not known to be gone
         self.retried: set[int] = set()  # client rids on their second attempt
         self.stale_messages = 0  # dropped: sent under an epoch fenced since
         self.absent_since: dict[str, float] = {}  # role -> when it was first seen without a live worker

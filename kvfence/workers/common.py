@@ -122,7 +122,7 @@ class WorkerBase:
                     "process replaces one that died): dropped every request held, joining under epoch %d", self.role,
                     self.me, fenced.epoch)
         self.channel.epoch = fenced.epoch
-        return actions
+        return actions + [Send(self.settings.router, self.hello())]  # the heartbeat would, within HEARTBEAT_S
 
     def tick(self, now: float) -> list[Action]:
         raise NotImplementedError
