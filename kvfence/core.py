@@ -105,7 +105,16 @@ class IntegrityError(KvfenceError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 means greedy; top_k 0 means off."""
+    """How to pick tokens. temperature 0 means greedy; top_k 0 and min_p 0 mean off.
+
+    The logits pass, in order: repetition penalty (on every token of the prompt and the output so far, as
+    vLLM), presence and frequency penalties (output tokens only), ``logit_bias``, the ban on end tokens (EOS
+    unless ``ignore_eos``, and ``stop_token_ids``) while fewer than ``min_tokens`` were generated, and the
+    ``grammar``'s mask (an llguidance grammar, for structured output: ``engine/grammar.py``); then temperature,
+    top-k, top-p and min-p pick the token. ``logprobs`` (k >= 0) asks for the chosen token's log-probability
+    and the k most likely, from the model's raw logits (before any of the above, vLLM's default);
+    ``prompt_logprobs`` the same for every prompt token after the first (what echo with logprobs shows).
+    """
 
     max_tokens: int
     temperature: float = 1.0
@@ -114,10 +123,26 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: off; k: the chosen token's and the top k's
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's (from the second on) and the top k's
+    grammar: str | None = None  # llguidance grammar the output must match (structured output)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether any penalty, bias or ban applies before the pick (else the raw logits decide)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.grammar is not None)
 
     def with_max_tokens(self, n: int) -> SamplingParams:
         return replace(self, max_tokens=n)
@@ -126,6 +151,7 @@ class SamplingParams:
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"  # the router's: a stop whose text held tool calls
     ABORT = "abort"
     ERROR = "error"
 
@@ -149,6 +175,14 @@ class Request:
         return self.prompt_ids + self.output_ids
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the ``top`` most likely tokens' (id, log-probability), best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """One step's news for a request: new tokens and text, and maybe its end."""
@@ -164,6 +198,8 @@ class RequestOutput:
     verification: str | None = None  # on the last output: how its landed KV was verified
     queue_time: float | None = None  # on the first output: seconds the request waited in the router's queue
     preemptions: int = 0  # on the last output: times a worker preempted it (reported by the worker side)
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids`` when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first output, when asked: prompt tokens 2..n
 
     @property
     def finished(self) -> bool:

@@ -26,22 +26,38 @@ Chat = list[dict[str, str]]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """vLLM's defaults: 16 tokens at temperature 1. ``temperature=0`` is greedy; ``top_k`` 0 or -1 is off."""
+    """vLLM's defaults: 16 tokens at temperature 1. ``temperature=0`` is greedy; ``top_k`` 0 or -1 is off.
+    ``core.SamplingParams`` says how the penalties, bias and bans shape the logits, and where logprobs come from."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def for_engine(self) -> core.SamplingParams:
-        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1:
+        if (self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1
+                or not 0 <= self.min_p <= 1 or not 0 <= self.min_tokens <= self.max_tokens
+                or self.repetition_penalty <= 0 or min(self.logprobs or 0, self.prompt_logprobs or 0) < 0):
             raise ValueError(f"invalid sampling parameters: {self}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return core.SamplingParams(self.max_tokens, self.temperature, self.top_p, max(self.top_k, 0), self.seed,
-                                   stop, self.ignore_eos)
+        return core.SamplingParams(
+            self.max_tokens, self.temperature, self.top_p, max(self.top_k, 0), self.seed, stop, self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            min_tokens=self.min_tokens, min_p=self.min_p, stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
 
 
 @dataclass
@@ -50,6 +66,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[core.TokenLogprob] | None = None  # one per token, when ``SamplingParams.logprobs`` is set
 
 
 @dataclass
@@ -60,6 +77,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[core.TokenLogprob] | None = None  # prompt tokens 2..n, with SamplingParams.prompt_logprobs
     finished: bool = True
 
 
@@ -119,9 +137,13 @@ class LLM:
                 for out in self.engine.step():
                     if out.error is not None:
                         raise out.error
+                    if out.prompt_logprobs is not None:
+                        results[out.rid].prompt_logprobs = out.prompt_logprobs
                     done = results[out.rid].outputs[0]
                     done.text += out.text
                     done.token_ids += out.token_ids
+                    if out.logprobs is not None:
+                        done.logprobs = (done.logprobs or []) + out.logprobs
                     if out.finished:
                         done.finish_reason = out.finish_reason.value
                         pending.discard(out.rid)

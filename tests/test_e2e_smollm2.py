@@ -5,6 +5,7 @@ disaggregated one must answer exactly like the colocated one under greedy decodi
 """
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -113,3 +114,33 @@ def test_one_token_prompt_chunks_agree_across_modes(colocated, disaggregated):
                                                          temperature=0) for s in (colocated, disaggregated))
         assert a.choices[0].text == b.choices[0].text, len(prompt)
         assert a.usage.completion_tokens == b.usage.completion_tokens > 0
+
+
+def test_a_json_schema_answer_is_valid_json_of_that_shape_and_the_same_on_both_servers(colocated, disaggregated):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "country": {"type": "string", "maxLength": 40}},
+              "required": ["city", "country"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}}
+    answers = []
+    for server in (colocated, disaggregated):
+        reply = server.client("sk-alice").chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France? Answer in "
+                                             "JSON with the city and its country."}],
+            temperature=0, max_tokens=60, response_format=fmt)
+        assert reply.choices[0].finish_reason == "stop"
+        answers.append(json.loads(reply.choices[0].message.content))
+    assert answers[0] == answers[1] and set(answers[0]) == {"city", "country"}
+    assert "Paris" in answers[0]["city"]
+
+
+def test_a_required_tool_call_names_the_tool_and_the_city(server):
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                       "required": ["city"], "additionalProperties": False}}}
+    reply = server.client("sk-alice").chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "What is the weather in Paris right now?"}],
+        tools=[weather], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}

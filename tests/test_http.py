@@ -360,9 +360,16 @@ async def test_several_prompts_are_400():
         ({"stop": [""]}, "stop"),
         ({"stream": "yes please"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
-        ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"tools": [{"type": "function"}]}, "tools.[0].function"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"the": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.[0]"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -404,7 +411,7 @@ async def test_unknown_fields_are_400_naming_them_as_openai_does(field):
         assert_error(nested, 400, "invalid_request_error", f"messages.[0].{field}")
         history = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function"}]}]
         calls = await c.post("/v1/chat/completions", json=chat_body(messages=history))
-        assert_error(calls, 400, "invalid_request_error", "messages.tool_calls")
+        assert_error(calls, 400, "invalid_request_error", "messages.[0].tool_calls.[0].function")  # malformed
     assert engine.requests == []
 
 

@@ -12,9 +12,18 @@ import numpy as np
 import torch
 
 from kvfence.config import EngineConfig
-from kvfence.core import ContextLengthExceeded, FinishReason, IntegrityError, InvalidRequest, Request, RequestOutput
+from kvfence.core import (
+    ContextLengthExceeded,
+    FinishReason,
+    IntegrityError,
+    InvalidRequest,
+    Request,
+    RequestOutput,
+    TokenLogprob,
+)
+from kvfence.engine.grammar import Guide, ll_tokenizer
 from kvfence.engine.output import OutputTracker
-from kvfence.engine.sampler import make_generator, sample
+from kvfence.engine.sampler import logprob_of, make_generator, sample, token_logprobs
 from kvfence.engine.scheduler import Scheduler, Sequence, Work
 from kvfence.kvcache.pages import PageError, PageGrant, PageState, PageTable
 from kvfence.kvcache.pool import KVPool
@@ -67,12 +76,28 @@ class Engine:
             raise ContextLengthExceeded(req.prompt_len, req.params.max_tokens, self.token_limit)
         if req.rid in self.seqs:
             raise InvalidRequest("duplicate request id")
+        self.check_token_ids(req)
         seq = Sequence(req, make_generator(req.params))
         self.seqs[req.rid] = seq
-        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit)
+        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit, self._guide(req))
         self.scheduler.add(seq)
 
-    def add_prefilled(self, req: Request, grants: list[PageGrant], first_token: int) -> RequestOutput:
+    def check_token_ids(self, req: Request) -> None:
+        """Token ids named by the sampling parameters must be in the model's vocabulary."""
+        vocab = self.model.config.vocab_size
+        for param, ids in (("logit_bias", [t for t, _ in req.params.logit_bias]),
+                           ("stop_token_ids", req.params.stop_token_ids)):
+            if ids and not 0 <= min(ids) <= max(ids) < vocab:
+                raise InvalidRequest(f"Token ids in '{param}' must be between 0 and {vocab - 1}.", param=param)
+
+    def _guide(self, req: Request) -> Guide | None:
+        if req.params.grammar is None:
+            return None
+        return Guide(req.params.grammar, ll_tokenizer(self.tokenizer, self.model.config.vocab_size))
+
+    def add_prefilled(self, req: Request, grants: list[PageGrant], first_token: int,
+                      first_logprob: TokenLogprob | None = None,
+                      prompt_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         """Take over a request whose prompt KV already sits, verified, in ``grants``; continue decoding.
 
         The pages must be held by ``req.rid`` in this engine's page table.
@@ -82,9 +107,10 @@ class Engine:
         seq.num_computed = req.prompt_len
         seq.stamped = len(grants)  # prefill wrote these tag records, checked on landing
         self.seqs[req.rid] = seq
-        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit)
+        self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit, self._guide(req))
         self.scheduler.running.append(seq)
-        out = self.trackers[req.rid].append(first_token)
+        self.trackers[req.rid].prompt_logprobs = prompt_logprobs or []
+        out = self.trackers[req.rid].append(first_token, first_logprob)
         if out.finished:
             self._end(seq, out)
         return out
@@ -105,7 +131,10 @@ class Engine:
             return []
         work, outputs = self._verify(work)
         if work:
-            logits = self.model.forward([self._chunk(w) for w in work], self.pool)
+            scored = any(self._scores_prompt(w) for w in work)
+            logits = self.model.forward([self._chunk(w) for w in work], self.pool, all_logits=scored)
+            if scored:
+                logits = self._score_prompts(work, logits)
             outputs += self._sample(work, logits)
         return outputs
 
@@ -174,16 +203,39 @@ class Engine:
             return []
         seqs = [work[i].seq for i in due]
         rows = logits if len(due) == len(work) else logits[due]  # [len(due), vocab]; no copy when all sample
-        tokens = sample(rows, [s.req.params for s in seqs], [s.generator for s in seqs])
-        outputs = (self._on_token(seq, token) for seq, token in zip(seqs, tokens, strict=True))
+        requests = [s.req for s in seqs]
+        guides = [self.trackers[s.rid].guide for s in seqs]
+        tokens = sample(rows, requests, [s.generator for s in seqs], self.tokenizer.eos_token_ids, guides)
+        logprobs = token_logprobs(rows, requests, tokens) if any(r.params.logprobs is not None for r in requests) \
+            else [None] * len(seqs)
+        outputs = (self._on_token(*args) for args in zip(seqs, tokens, logprobs, strict=True))
         return [out for out in outputs if out is not None]
+
+    def _scores_prompt(self, w: Work) -> bool:
+        """Whether ``w`` computes prompt positions whose next token's logprob its request asked for."""
+        return w.seq.req.params.prompt_logprobs is not None and w.start < w.seq.req.prompt_len - 1
+
+    def _score_prompts(self, work: list[Work], logits: torch.Tensor) -> torch.Tensor:
+        """From every position's ``logits`` [sum(n), vocab]: record the prompt logprobs that were asked for (a
+        position once; a preempted request recomputes), and return each chunk's last row [len(work), vocab]."""
+        last, offset = [], 0
+        for w in work:
+            n = w.end - w.start
+            if self._scores_prompt(w):
+                req, scores = w.seq.req, self.trackers[w.seq.rid].prompt_logprobs
+                for pos in range(max(w.start, len(scores)), min(w.end, req.prompt_len - 1)):
+                    scores.append(logprob_of(logits[offset + pos - w.start], req.prompt_ids[pos + 1],
+                                             req.params.prompt_logprobs))
+            last.append(offset + n - 1)
+            offset += n
+        return logits[last]
 
     def _computed(self, work: list[Work]) -> None:
         """Hook: the K/V of every ``work`` item is now in the pool."""
 
-    def _on_token(self, seq: Sequence, token: int) -> RequestOutput | None:
+    def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput | None:
         """Hook: ``seq`` sampled ``token``. Records it, and ends the request when it is finished."""
-        out = self.trackers[seq.rid].append(token)
+        out = self.trackers[seq.rid].append(token, logprob)
         if out.finished:
             self._end(seq, out)
         return out

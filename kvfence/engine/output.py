@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvfence.core import FinishReason, Request, RequestOutput
+from kvfence.core import FinishReason, Request, RequestOutput, TokenLogprob
+from kvfence.engine.grammar import Guide
 from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -13,28 +14,43 @@ class OutputTracker:
     stop string never reaches the client, not even in part.
     """
 
-    def __init__(self, req: Request, tokenizer: Tokenizer, max_context: int) -> None:
-        """``max_context``: the most tokens (prompt + output) the request may reach; it ends there ("length")."""
+    def __init__(self, req: Request, tokenizer: Tokenizer, max_context: int, guide: Guide | None = None) -> None:
+        """``max_context``: the most tokens (prompt + output) the request may reach; it ends there ("length").
+        ``guide``: the request's grammar state; it consumes each token, and the request ends once it is done."""
         self.req = req
-        self.eos = frozenset() if req.params.ignore_eos else tokenizer.eos_token_ids
+        self.guide = guide
+        self.prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 2..n, as prefill computes them (if asked)
+        eos = frozenset() if req.params.ignore_eos else tokenizer.eos_token_ids
+        self.end_ids = eos | frozenset(req.params.stop_token_ids)  # end the request, without text
         self.detok = IncrementalDetokenizer(tokenizer)
         self.max_context = max_context
         self.text = ""
         self.sent = 0  # chars of self.text already emitted
 
-    def append(self, token: int) -> RequestOutput:
+    def append(self, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
+        """Record ``token``. Stop strings apply once ``min_tokens`` were generated (the sampler bans end tokens
+        until then)."""
         req = self.req
         req.output_ids.append(token)
+        if self.guide is not None:
+            self.guide.accept(token)
         finish = None
-        if token in self.eos:
+        if token in self.end_ids:
             finish = FinishReason.STOP
         else:
             self.text += self.detok.push(token)
-            finish = self._find_stop()
+            if len(req.output_ids) >= req.params.min_tokens:
+                finish = self._find_stop()
+            if finish is None and self.guide is not None and self.guide.done:
+                finish = FinishReason.STOP
         if finish is None and (len(req.output_ids) >= req.params.max_tokens or
                                req.prompt_len + len(req.output_ids) >= self.max_context):
             finish = FinishReason.LENGTH
-        return self._emit([token], finish)
+        out = self._emit([token], finish)
+        out.logprobs = None if logprob is None else [logprob]
+        if len(req.output_ids) == 1 and req.params.prompt_logprobs is not None:
+            out.prompt_logprobs = self.prompt_logprobs
+        return out
 
     def _find_stop(self) -> FinishReason | None:
         stops = self.req.params.stop

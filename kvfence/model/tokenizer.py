@@ -64,6 +64,7 @@ class Tokenizer:
         self.add_bos = add_bos and self.bos_token_id is not None
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
+        self._token_bytes: dict[int, bytes] = {}
 
     # -- construction ---------------------------------------------------------------------------------------
 
@@ -159,6 +160,19 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, even where they are part of a UTF-8 character (byte-level BPE spells
+        each byte as one character of its vocabulary); special tokens as their text."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            piece = self.backend.id_to_token(token_id) or ""
+            if isinstance(self.backend.decoder, decoders.ByteLevel) and all(c in _BYTE_OF_CHAR for c in piece):
+                cached = bytes(_BYTE_OF_CHAR[c] for c in piece)
+            else:
+                cached = self.decode([token_id], skip_special_tokens=False).encode()
+            self._token_bytes[token_id] = cached
+        return cached
+
     def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh streaming detokenizer; ``prompt_ids`` (optional) give context for the first tokens' spacing."""
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
@@ -222,6 +236,17 @@ class IncrementalDetokenizer:
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's spelling of bytes as characters (GPT-2's): printable Latin-1 bytes stand for themselves,
+    the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(0x100 + i): b for i, b in enumerate(rest)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfence.core import KvfenceError
+from kvfence.core import KvfenceError, TokenLogprob
 from kvfence.kvcache.pages import PageGrant
 from kvfence.protocol.messages import Admit, Message, Output
 
@@ -24,6 +24,8 @@ class StartDecode:
     admit: Admit
     grants: list[PageGrant]
     first_token: int
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,7 @@ class DecodeCore:
         self.pages.set_state(req.rid, req.grants, PageState.READY)
         req.state = DState.DECODING
         grants, req.grants = req.grants, []
-        return [StartDecode(req.msg, grants, msg.first_token)]
+        return [StartDecode(req.msg, grants, msg.first_token, msg.first_logprob, msg.prompt_logprobs)]
 
     def _landing_problem(self, req: DecodeReq, msg: Done) -> str | None:
         expected = len(req.msg.prompt_ids)

@@ -21,11 +21,12 @@ under an older one and answers it with Fenced (docs/protocol.md, "Fencing").
 from __future__ import annotations
 
 import hashlib
+from dataclasses import fields
 from typing import Union
 
 import msgspec
 
-from kvfence.core import KvfenceError, SamplingParams
+from kvfence.core import KvfenceError, SamplingParams, TokenLogprob
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -49,6 +50,8 @@ class ErrorInfo(msgspec.Struct, frozen=True):
 
 
 class Params(msgspec.Struct, frozen=True):
+    """``core.SamplingParams`` on the wire, field for field."""
+
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -56,14 +59,23 @@ class Params(msgspec.Struct, frozen=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    grammar: str | None = None
 
     @classmethod
     def of(cls, p: SamplingParams) -> Params:
-        return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.ignore_eos)
+        return cls(**{f.name: getattr(p, f.name) for f in fields(p)})
 
     def to_sampling(self) -> SamplingParams:
-        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed, self.stop,
-                              self.ignore_eos)
+        return SamplingParams(**msgspec.structs.asdict(self))
 
 
 class Msg(msgspec.Struct, frozen=True, tag=True):
@@ -118,6 +130,8 @@ class Done(RequestMsg, frozen=True):
     tokens: int
     checksum: int
     first_token: int
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # when the request asked for them (echo)
 
 
 class Fail(RequestMsg, frozen=True):
@@ -148,6 +162,8 @@ class Output(RequestMsg, frozen=True):
     pages: list[tuple[int, int]] | None = None  # last only: (page, epoch) grants read
     verification: str | None = None  # last only: how the landed KV was verified
     preemptions: int = 0  # last only: times decode preempted this request (the router counts them per tenant)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # first only, when asked: prompt tokens 2..n
 
 
 class Reject(RequestMsg, frozen=True):

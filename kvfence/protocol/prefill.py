@@ -27,7 +27,7 @@ from enum import Enum
 
 import msgspec
 
-from kvfence.core import ContextLengthExceeded, IntegrityError, KvfenceError, ServiceUnavailable
+from kvfence.core import ContextLengthExceeded, IntegrityError, KvfenceError, ServiceUnavailable, TokenLogprob
 from kvfence.protocol.actions import Action, Send, StartPrefill, StopPrefill
 from kvfence.protocol.messages import Abort, AbortAck, Dest, Done, ErrorInfo, Fail, Message, Prefill, Reject
 from kvfence.safety import Safety
@@ -98,11 +98,13 @@ class PrefillCore:
                 del self.reqs[req.rid]
         return actions
 
-    def computed(self, rid: int, tokens: int, checksum: int, first_token: int) -> list[Action]:
+    def computed(self, rid: int, tokens: int, checksum: int, first_token: int,
+                 first_logprob: TokenLogprob | None = None,
+                 prompt_logprobs: list[TokenLogprob] | None = None) -> list[Action]:
         """The runner finished: every write has landed."""
         req = self.reqs.pop(rid)
         if req.state is PState.COMPUTING:
-            return [Send(req.decode, Done(rid, tokens, checksum, first_token))]
+            return [Send(req.decode, Done(rid, tokens, checksum, first_token, first_logprob, prompt_logprobs))]
         if req.state is PState.ABORTING:
             return [Send(req.decode, AbortAck(rid))]
         return []

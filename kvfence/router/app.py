@@ -63,6 +63,7 @@ from kvfence.core import (
 )
 from kvfence.core import Request as EngineRequest
 from kvfence.engine.client import EngineClient
+from kvfence.engine.grammar import grammar_for
 from kvfence.router.admin import ManagedEngine, ModelAccess, admin_router, managed
 from kvfence.router.edge import EdgeGuard, error_headers, path_param
 from kvfence.router.exposure import FailedLogins, Gate, public_body
@@ -70,9 +71,10 @@ from kvfence.router.fair import FairPool
 from kvfence.router.ledger import Ledger, RequestEnd
 from kvfence.router.limits import EdgeLimits
 from kvfence.router.metrics import CONTENT_TYPE, Metrics
-from kvfence.router.responses import DONE, Format, error_body, sse
+from kvfence.router.responses import DONE, Format, Tokens, error_body, sse
 from kvfence.router.schemas import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     GenerateBody,
@@ -81,6 +83,7 @@ from kvfence.router.schemas import (
     parse_body,
 )
 from kvfence.router.tenants import Tenants
+from kvfence.router.tools import CallStream, ToolCall, ToolUse, knows_tools
 from kvfence.safety import Safety
 from kvfence.tools.auditlog import AuditLog
 
@@ -223,11 +226,15 @@ class Call:
 
 @dataclass
 class Job:
-    """A call being prepared: its body once parsed, its prompt once tokenized (filled in on a worker thread)."""
+    """A call being prepared: its body once parsed, its prompt once tokenized and its grammar once compiled (filled
+    in on a worker thread)."""
 
     call: Call
     body: GenerateBody | None = None
     prompt_ids: list[int] = field(default_factory=list)
+    grammar: str | None = None  # from response_format or a required tool call (engine/grammar.py)
+    echo: str | None = None  # the prompt's text, when the completion starts with it
+    tools: ToolUse | None = None  # set when the output is read for tool calls
 
 
 class OpenAIServer:
@@ -281,11 +288,13 @@ class OpenAIServer:
             self.ledger.record(self._end(job).rejected(_as_kvfence(err)))
             raise
         assert job.body is not None
-        fmt = Format.for_request(call.chat, call.rid, call.created, self.engine.model_name, job.body.include_usage)
+        spell = self.tokenizer.token_bytes if job.body.logprobs_wanted is not None else None
+        fmt = Format.for_request(call.chat, call.rid, call.created, self.engine.model_name, job.body.include_usage,
+                                 spell)
         gen = Generation(self.engine, request, self._end(job), self.ledger)
         if job.body.stream:
-            return await self._stream(http, gen, fmt)
-        return await self._complete(http, gen, fmt)
+            return await self._stream(http, gen, fmt, job)
+        return await self._complete(http, gen, fmt, job)
 
     def _end(self, job: Job) -> RequestEnd:
         """The ledger entry of ``job`` as far as it got, to be completed with its outcome."""
@@ -300,18 +309,25 @@ class OpenAIServer:
         job.body = body = parse_body(raw, job.call.schema)
         self.check_model(body.model, job.call.tenant)
         if isinstance(body, ChatCompletionRequest):
-            job.prompt_ids = self._encode(self._render([m.for_template() for m in body.messages]))
+            tools = body.tool_use()
+            if body.response_format is not None:
+                job.grammar = grammar_for(body.response_format.as_dict(), self.tokenizer)
+            if tools is not None and tools.parses:
+                job.tools, job.grammar = tools, job.grammar or tools.grammar()
+            job.prompt_ids = self._encode(self._chat_text(body.messages, tools))
         elif isinstance(body.prompt, str):
             job.prompt_ids = self._encode(body.prompt)
+            job.echo = body.prompt if body.echo else None
         else:
             job.prompt_ids = self._checked_ids(body.prompt)
+            job.echo = self.tokenizer.decode(body.prompt) if body.echo else None
 
     def tokenize(self, tenant: str, raw: bytes) -> dict:
         """On a worker thread: ``/tokenize``'s answer for ``raw`` (a ``TokenizeRequest``)."""
         body = parse_body(raw, TokenizeRequest)
         self.check_model(body.model, tenant)
         if body.messages is not None:
-            text = self._render([m.for_template() for m in body.messages], body.add_generation_prompt)
+            text = self._chat_text(body.messages, None, body.add_generation_prompt)
         else:
             text = body.prompt or ""
         ids = self._encode(text)
@@ -344,9 +360,17 @@ class OpenAIServer:
             err = ContextLengthExceeded(prompt_len, max_tokens, limit)
             err.param = call.param
             raise err
-        return EngineRequest(job.prompt_ids, body.sampling_params(max_tokens), tenant=call.tenant, rid=call.rid)
+        params = body.sampling_params(max_tokens, job.grammar)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}).",
+                                 param="min_tokens")
+        named = {"logit_bias": [t for t, _ in params.logit_bias], "stop_token_ids": params.stop_token_ids}
+        for param, ids in named.items():
+            if ids:
+                self._checked_ids(list(ids), param=param)
+        return EngineRequest(job.prompt_ids, params, tenant=call.tenant, rid=call.rid)
 
-    async def _complete(self, http: Request, gen: Generation, fmt: Format) -> Response:
+    async def _complete(self, http: Request, gen: Generation, fmt: Format, job: Job) -> Response:
         gone = False
         try:
             outs = await unless_disconnected(http.receive, gen.run_to_end)
@@ -359,10 +383,17 @@ class OpenAIServer:
             raise
         finally:
             await gen.close(client_gone=gone)
-        text = "".join(o.text for o in outs)
-        return JSONResponse(fmt.completion(text, outs[-1].finish_reason, *gen.usage()))
+        text: str | None = "".join(o.text for o in outs)
+        calls: list[ToolCall] = []
+        if job.tools is not None:
+            text, calls = job.tools.parse(text)
+        tokens = tokens_of(outs)
+        if job.echo is not None:
+            echoed = echo_tokens(job, outs[0])
+            text, tokens = job.echo + text, Tokens(echoed.ids + tokens.ids, [*echoed.logprobs, *tokens.logprobs])
+        return JSONResponse(fmt.completion(text, outs[-1].finish_reason, *gen.usage(), tokens, calls))
 
-    async def _stream(self, http: Request, gen: Generation, fmt: Format) -> Response:
+    async def _stream(self, http: Request, gen: Generation, fmt: Format, job: Job) -> Response:
         try:
             first = await unless_disconnected(http.receive, gen.next)
         except ClientGone:
@@ -372,16 +403,28 @@ class OpenAIServer:
             gen.failed(err)
             await gen.close()
             raise
-        return EventStream(_events(gen, fmt, first), on_close=gen.close)
+        return EventStream(_events(gen, fmt, first, job), on_close=gen.close)
 
     def _max_tokens(self, body: GenerateBody, prompt_len: int) -> int:
         """The request's ``max_tokens``, or when omitted "up to the context limit" (at least one)."""
         requested = body.requested_max_tokens
         return requested if requested is not None else max(self.engine.max_context - prompt_len, 1)
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def _chat_text(self, messages: list[ChatMessage], tools: ToolUse | None, add_generation_prompt: bool = True) -> str:
+        """The chat as the model reads it: its template, with the tools (see ``router/tools.py``)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        rendered = [m.for_template(knows_tools(template)) for m in messages]
+        note = tools.system_note(template) if tools is not None else None
+        if note is not None and rendered[0]["role"] == "system":
+            rendered[0] = rendered[0] | {"content": rendered[0]["content"] + "\n\n" + note}
+        elif note is not None:
+            rendered.insert(0, {"role": "system", "content": note})
+        extra = tools.template_kwargs(template) if tools is not None else {}
+        return self._render(rendered, add_generation_prompt, **extra)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         except (TemplateError, ValueError) as e:
             raise InvalidRequest(f"The messages could not be rendered with the chat template: {e}",
                                  param="messages") from e
@@ -397,27 +440,52 @@ class OpenAIServer:
         return ids
 
 
+def echo_tokens(job: Job, first: RequestOutput) -> Tokens:
+    """The echoed prompt's tokens, with their logprobs (from the first output) when the request asked."""
+    scores = first.prompt_logprobs
+    return Tokens(job.prompt_ids, [None, *scores] if scores is not None else [])
+
+
+def tokens_of(outs: list[RequestOutput], offset: int = 0) -> Tokens:
+    """The tokens of ``outs`` and the logprobs they carry (each token has one when the request asked)."""
+    return Tokens([t for o in outs for t in o.token_ids], [lp for o in outs for lp in o.logprobs or ()], offset)
+
+
 def _as_kvfence(err: Exception) -> KvfenceError:
     """``err`` as the ledger records it: a ``KvfenceError`` as is, anything else an internal error (500)."""
     return err if isinstance(err, KvfenceError) else KvfenceError("Internal server error.")
 
 
-async def _events(gen: Generation, fmt: Format, first: RequestOutput) -> AsyncIterator[bytes]:
-    """The SSE body: opening chunk, text deltas, finish chunk, usage chunk, ``[DONE]``.
+async def _events(gen: Generation, fmt: Format, first: RequestOutput, job: Job) -> AsyncIterator[bytes]:
+    """The SSE body: opening chunk, the echoed prompt, text deltas (and tool-call deltas, each call whole once its
+    block closed), finish chunk, usage chunk, ``[DONE]``.
 
     Settles ``gen``'s outcome; closing the engine iterator is ``EventStream``'s job.
     """
+    calls = CallStream(job.tools) if job.tools is not None else None
     try:
         for chunk in fmt.opening():
             yield sse(chunk)
-        out = first
+        out, offset, called = first, 0, 0
+        if job.echo is not None:
+            yield sse(fmt.delta(job.echo, echo_tokens(job, first)))
+            offset = len(job.echo)
         while True:
-            if out.text:
-                yield sse(fmt.delta(out.text))
+            pieces: list[str | ToolCall] = [out.text] if calls is None else calls.feed(out.text)
+            if out.finished and calls is not None:
+                pieces += calls.finish()
+            text = "".join(p for p in pieces if isinstance(p, str))
+            if text or out.logprobs:
+                yield sse(fmt.delta(text, tokens_of([out], offset)))
+                offset += len(out.text)
+            for call in (p for p in pieces if isinstance(p, ToolCall)):
+                yield sse(fmt.tool_call(called, call))
+                called += 1
             if out.finished:
                 break
             out = await gen.next()
-        yield sse(fmt.finish(out.finish_reason))
+        yield sse(fmt.finish(FinishReason.TOOL_CALLS if called and out.finish_reason is FinishReason.STOP
+                             else out.finish_reason))
         if fmt.include_usage:
             yield sse(fmt.usage_chunk(*gen.usage()))
         gen.succeeded()

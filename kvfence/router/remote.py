@@ -234,5 +234,5 @@ def _to_output(action: Deliver) -> RequestOutput:
     finish = FinishReason(o.finish_reason) if o.finish_reason else None
     return RequestOutput(action.rid, o.token_ids, o.text, finish, prompt_tokens=o.prompt_tokens,
                          completion_tokens=o.completion_tokens, pages=o.pages, verification=o.verification,
-                         preemptions=o.preemptions)
+                         preemptions=o.preemptions, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs)
 

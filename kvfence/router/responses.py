@@ -6,11 +6,14 @@ the engine; ``app.py`` decides what to send and when.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import msgspec
 
-from kvfence.core import FinishReason
+from kvfence.core import FinishReason, TokenLogprob
+from kvfence.router.tools import ToolCall
 
 _encode = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
@@ -37,27 +40,48 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
 
 
 @dataclass(frozen=True)
+class Tokens:
+    """Generated tokens with their logprobs (one each, when the request asked), and where their text starts in
+    the completion (``offset``, in characters: the legacy format's ``text_offset``)."""
+
+    ids: list[int]
+    logprobs: Sequence[TokenLogprob | None] = ()  # None: the prompt's first token (echo), which has none
+    offset: int = 0
+
+
+NO_TOKENS = Tokens([])
+
+
+@dataclass(frozen=True)
 class Format:
-    """The shape of one endpoint's responses; ``id`` and ``created`` are fixed per request."""
+    """The shape of one endpoint's responses; ``id`` and ``created`` are fixed per request. ``token_bytes`` spells
+    a token id, for logprobs."""
 
     chat: bool
     id: str
     created: int
     model: str
     include_usage: bool = False
+    token_bytes: Callable[[int], bytes] | None = None
 
     @classmethod
-    def for_request(cls, chat: bool, rid: int, created: int, model: str, include_usage: bool) -> Format:
+    def for_request(cls, chat: bool, rid: int, created: int, model: str, include_usage: bool,
+                    token_bytes: Callable[[int], bytes] | None = None) -> Format:
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return cls(chat, f"{prefix}{rid:032x}", created, model, include_usage)
+        return cls(chat, f"{prefix}{rid:032x}", created, model, include_usage, token_bytes)
 
-    def completion(self, text: str, finish: FinishReason, prompt_tokens: int, completion_tokens: int) -> dict:
-        """The whole (non-streaming) response."""
+    def completion(self, text: str | None, finish: FinishReason, prompt_tokens: int, completion_tokens: int,
+                   tokens: Tokens = NO_TOKENS, calls: Sequence[ToolCall] = ()) -> dict:
+        """The whole (non-streaming) response; ``calls``: the tool calls read from the text (``text`` is what
+        remains, None when nothing does)."""
+        if calls and finish is FinishReason.STOP:
+            finish = FinishReason.TOOL_CALLS
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message | ({"tool_calls": [c.as_dict() for c in calls]} if calls else {})}
         else:
             choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": finish.value}
+        choice |= {"logprobs": self._logprobs(tokens), "finish_reason": finish.value}
         obj = "chat.completion" if self.chat else "text_completion"
         return self._envelope(obj, [choice]) | {"usage": usage(prompt_tokens, completion_tokens)}
 
@@ -65,8 +89,12 @@ class Format:
         """Chunks sent before any text: chat announces the assistant role with empty content."""
         return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
 
-    def delta(self, text: str) -> dict:
-        return self._chunk({"content": text} if self.chat else text, None)
+    def delta(self, text: str, tokens: Tokens = NO_TOKENS) -> dict:
+        return self._chunk({"content": text} if self.chat else text, None, self._logprobs(tokens))
+
+    def tool_call(self, index: int, call: ToolCall) -> dict:
+        """A chat chunk carrying one whole tool call (``index``: its place among the response's calls)."""
+        return self._chunk({"tool_calls": [call.as_dict(index)]}, None)
 
     def finish(self, finish: FinishReason) -> dict:
         return self._chunk({} if self.chat else "", finish.value)
@@ -79,11 +107,30 @@ class Format:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, delta: dict | str, finish: str | None) -> dict:
+    def _chunk(self, delta: dict | str, finish: str | None, logprobs: dict | None = None) -> dict:
         choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
-        choice |= {"logprobs": None, "finish_reason": finish}
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
         chunk = self._envelope(self._chunk_object, [choice])
         return chunk | {"usage": None} if self.include_usage else chunk
+
+    def _logprobs(self, tokens: Tokens) -> dict | None:
+        """The choice's ``logprobs``: chat's ``content`` list, or the legacy completions' four parallel lists."""
+        if self.token_bytes is None:
+            return None
+        spell = self.token_bytes
+        pairs = list(zip(tokens.ids, tokens.logprobs, strict=True))
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                raw = spell(token)
+                return {"token": raw.decode(errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+            return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(*top) for top in lp.top]}
+                                for t, lp in pairs], "refusal": None}
+        texts = [spell(t).decode(errors="replace") for t in tokens.ids]
+        offsets = list(accumulate([len(s) for s in texts], initial=tokens.offset))[:-1]
+        return {"tokens": texts, "token_logprobs": [lp and lp.logprob for _, lp in pairs],
+                "top_logprobs": [lp and {spell(t).decode(errors="replace"): v for t, v in lp.top} for _, lp in pairs],
+                "text_offset": offsets}
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}

@@ -9,8 +9,8 @@
   JSON boolean, a string a JSON string (a float may be given as a JSON integer);
 - an unknown field is a 400 naming it, as OpenAI answers ("Unrecognized request argument supplied"), vLLM and
   SGLang extensions included: a request is never answered while part of it was silently ignored;
-- ``check()`` rejects what parses but cannot be honoured (``n > 1``, logprobs, tools, penalties, ...) unless it
-  has the value that means "off" (``NEUTRAL``).
+- ``check()`` rejects what parses but cannot be honoured (``n > 1``, tools, ...) unless it has the value that
+  means "off" (``NEUTRAL``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kvfence.core import InvalidRequest, SamplingParams
+from kvfence.router.tools import CLOSE, OPEN, ToolUse
 
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate can enter valid UTF-8 JSON
@@ -32,6 +33,8 @@ B = TypeVar("B", bound=BaseModel)
 Number = float  # a JSON number; strict mode still takes a JSON integer for it
 _INT64 = 2**63
 _INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 1024  # entries
 
 
 def parse_body(raw: bytes, schema: type[B]) -> B:
@@ -183,8 +186,7 @@ class GenerateBody(BaseModel):
 
     model_config = STRICT
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-        "logit_bias": (None, {}), "min_tokens": (None, 0), "best_of": (None, 1), "store": (None, False),
+        "best_of": (None, 1), "store": (None, False),
         "service_tier": (None, "auto", "default"), "metadata": (None, {}),
     }
 
@@ -200,11 +202,13 @@ class GenerateBody(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension
     user: str | None = None
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    repetition_penalty: Number | None = None  # extension
-    logit_bias: dict[str, Number] | None = None
-    min_tokens: int | None = None  # extension
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(None, gt=0, le=100)  # extension
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    min_tokens: int | None = Field(None, ge=0, le=_INT32_MAX)  # extension
+    min_p: Number | None = Field(None, ge=0, le=1)  # extension
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_INT32_MAX)]] | None = Field(None, max_length=256)  # extension
     best_of: int | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -219,6 +223,27 @@ class GenerateBody(BaseModel):
         for name, neutral in self.NEUTRAL.items():
             if getattr(self, name) not in neutral:
                 raise InvalidRequest(f"'{name}' is not supported by this server.", param=name)
+        self.bias()
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; its keys must be token ids written in decimal."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) > _INT32_MAX:
+                raise InvalidRequest(f"Invalid key in 'logit_bias': {key[:40]!r} is not a token id.",
+                                     param="logit_bias")
+            pairs.append((int(key), float(value)))
+        return tuple(sorted(pairs))
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        """How many top logprobs each token carries; None when logprobs are off."""
+        return None
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The same for the prompt's tokens (echo with logprobs)."""
+        return None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -228,8 +253,9 @@ class GenerateBody(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's view of this body, with ``max_tokens`` already settled by admission."""
+    def sampling_params(self, max_tokens: int, grammar: str | None = None) -> SamplingParams:
+        """The engine's view of this body, with ``max_tokens`` already settled by admission and the ``grammar``
+        compiled from ``response_format``."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -238,7 +264,103 @@ class GenerateBody(BaseModel):
             seed=self.seed,
             stop=self.stop,
             ignore_eos=bool(self.ignore_eos),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.bias(),
+            min_tokens=self.min_tokens or 0,
+            min_p=self.min_p or 0.0,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs=self.logprobs_wanted,
+            prompt_logprobs=self.prompt_logprobs_wanted,
+            grammar=grammar,
         )
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (output matching its ``schema``)."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise InvalidRequest("'response_format.json_schema' is required with type 'json_schema', and only then.",
+                                 param="response_format.json_schema")
+        schema = {"schema": self.json_schema.schema_} if self.json_schema else {}
+        return {"type": self.type} | ({"json_schema": schema} if schema else {})
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+def _tool_choice(value: object) -> object:
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict):
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValidationError:
+            pass
+    raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': "
+                     "NAME}}")
+
+
+ToolChoice = Annotated[str | NamedToolChoice | None, BeforeValidator(_tool_choice)]
+
+
+class CalledFunction(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str  # JSON text
+
+
+class HistoryToolCall(BaseModel):
+    """A call the assistant made earlier in the conversation."""
+
+    model_config = STRICT
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
 
 
 class ChatMessage(BaseModel):
@@ -248,24 +370,40 @@ class ChatMessage(BaseModel):
     content: TextContent = ""
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[HistoryToolCall] | None = None
     refusal: str | None = None
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self, knows_tools: bool = False) -> dict[str, Any]:
         """The message as a chat template expects it (``developer`` is the newer name for ``system``); ``name``
-        and ``tool_call_id`` go to the template too."""
-        if self.tool_calls:
-            raise InvalidRequest("'tool_calls' in messages are not supported by this server.",
-                                 param="messages.tool_calls")
-        extra = {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None}
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content, **extra}
+        and ``tool_call_id`` go to the template too. Earlier tool calls go as ``tool_calls`` (arguments as
+        objects) to a template that ``knows_tools``, else as ``<tool_call>`` blocks in the content, and a tool
+        result in ``<tool_response>`` tags."""
+        extra: dict[str, Any] = {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id))
+                                 if v is not None}
+        content = self.content
+        if self.tool_calls and knows_tools:
+            extra["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        elif self.tool_calls:
+            blocks = [json.dumps({"name": c.function.name, "arguments": _json_or_text(c.function.arguments)},
+                                 ensure_ascii=False) for c in self.tool_calls]
+            calls = [f"{OPEN}\n{b}\n{CLOSE}" for b in blocks]
+            content = "\n".join([content, *calls] if content else calls)
+        elif self.role == "tool" and not knows_tools:
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        return {"role": "system" if self.role == "developer" else self.role, "content": content, **extra}
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(GenerateBody):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = GenerateBody.NEUTRAL | {
-        "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
-        "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
-        "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
+        "functions": (None, []), "function_call": (None, "none", "auto"),
         "modalities": (None, ["text"]), "reasoning_effort": (None,), "audio": (None,), "prediction": (None,),
         "web_search_options": (None,),
     }
@@ -273,18 +411,45 @@ class ChatCompletionRequest(GenerateBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDef] | None = Field(None, max_length=128)
     functions: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: ToolChoice = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     reasoning_effort: str | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        if self.response_format is not None:
+            self.response_format.as_dict()
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise InvalidRequest("tool_choice needs tools.", param="tool_choice")
+        uses = self.tool_use()
+        if uses is not None and uses.grammar() is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise InvalidRequest("A required tool call and a response_format cannot be combined.",
+                                 param="response_format")
+
+    def tool_use(self) -> ToolUse | None:
+        """The tools and how they may be used; None without tools."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice or "auto"
+        return ToolUse([t.model_dump(exclude_none=True) for t in self.tools],
+                       choice if isinstance(choice, str) else choice.model_dump(),
+                       self.parallel_tool_calls is not False)
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -294,12 +459,20 @@ class ChatCompletionRequest(GenerateBody):
 
 class CompletionRequest(GenerateBody):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = GenerateBody.NEUTRAL | {
-        "logprobs": (None, 0), "echo": (None, False), "suffix": (None, "")}
+        "suffix": (None, "")}
 
     prompt: Prompt
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class TokenizeRequest(BaseModel):

@@ -89,7 +89,8 @@ class DecodeWorker(WorkerBase):
             a = action.admit
             req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid)
             self._engine.pool.from_host([g.page for g in action.grants])  # verified: what landed is what decodes
-            out = self._engine.add_prefilled(req, action.grants, action.first_token)
+            out = self._engine.add_prefilled(req, action.grants, action.first_token, action.first_logprob,
+                                             action.prompt_logprobs)
             return self.core.engine_output(self.to_message(out), now)
         if isinstance(action, StopDecode):
             self._engine.abort(action.rid)
@@ -123,5 +124,5 @@ class DecodeWorker(WorkerBase):
         finish = out.finish_reason.value if isinstance(out.finish_reason, FinishReason) else None
         verification = self.verified.pop(out.rid, None) if finish else None
         return Output(out.rid, out.token_ids, out.text, finish, out.prompt_tokens, out.completion_tokens,
-                      out.pages, verification)
+                      out.pages, verification, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
 

@@ -13,7 +13,7 @@ import os
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
-from kvfence.core import KvfenceError, Request, ServiceUnavailable
+from kvfence.core import KvfenceError, Request, ServiceUnavailable, TokenLogprob
 from kvfence.engine.engine import Engine
 from kvfence.engine.scheduler import Sequence, Work
 from kvfence.kvcache.layout import TAG_BYTES, KVLayout, tokens_per_page, transfer_checksum
@@ -40,6 +40,8 @@ class Shipment:
     sums: list[int] = field(default_factory=list)
     futures: list[Future] = field(default_factory=list)
     first_token: int | None = None
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     stopped: bool = False
 
     def drained(self) -> bool:
@@ -103,8 +105,11 @@ class PrefillRunner(Engine):
         for w in work:
             self._ship(w.seq, final=False)
 
-    def _on_token(self, seq: Sequence, token: int) -> None:
-        self.shipments[seq.rid].first_token = token
+    def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        ship = self.shipments[seq.rid]
+        ship.first_token, ship.first_logprob = token, logprob
+        if seq.req.params.prompt_logprobs is not None:
+            ship.prompt_logprobs = self.trackers[seq.rid].prompt_logprobs
         self._ship(seq, final=True)
         self._detach(seq)
         return None
@@ -217,7 +222,8 @@ class PrefillWorker(WorkerBase):
                 log.warning("request %032x: KV transfer to %s failed: %s", rid, ship.start.decode, err)
                 actions += self.core.compute_failed(rid, ServiceUnavailable(f"KV transfer failed: {err}"))
             else:
-                actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), ship.first_token or 0)
+                actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), ship.first_token or 0,
+                                             ship.first_logprob, ship.prompt_logprobs)
         return actions
 
     def has_work(self) -> bool:
