@@ -130,6 +130,24 @@ def add_capacity_args(p: argparse.ArgumentParser) -> None:
                         "restarting) before they get 503")
 
 
+def add_fault_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--worker-timeout", type=worker_timeout, default=15.0, metavar="S",
+                   help="a worker silent for 2 s (no heartbeat) is suspected and gets no new request; silent for S "
+                        "seconds it is declared dead and fenced: its requests end (those without a token yet are "
+                        "retried once on another pair), and should it come back it drops them and rejoins")
+
+
+def worker_timeout(text: str) -> float:
+    """argparse type: seconds of silence before a worker is declared dead; longer than the 2 s of suspicion."""
+    from kvfence.router.remote import SUSPECT_S
+
+    value = float(text)
+    if not SUSPECT_S < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: must be more than the {SUSPECT_S:.0f} s after which a silent "
+                                         "worker is suspected")
+    return value
+
+
 def capacity_of(args: argparse.Namespace, tenants):
     """(QueuePolicy, DispatchLimits) from the capacity flags and the tenants file's quotas."""
     from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
@@ -187,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_key_arg(serve, "the deployment's cluster key (default: a fresh one, made in memory at each start)")
     add_http_args(serve)
     add_capacity_args(serve)
+    add_fault_args(serve)
     add_model_args(serve)
     add_pool_args(serve, per_role=True)
     add_timeout_args(serve)
@@ -200,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_key_arg(router, "only holders of this key can join (required unless --bind is a loopback address)")
     add_http_args(router)
     add_capacity_args(router)
+    add_fault_args(router)
     add_model_args(router)
     add_timeout_args(router)
     add_stop_args(router)
@@ -516,7 +536,8 @@ def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_co
 
     policy, limits = capacity_of(args, tenants)
     return RemoteEngine(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected,
-                        silence_timeout=4 * args.handoff_timeout, cluster_key=key, policy=policy, limits=limits)
+                        silence_timeout=4 * args.handoff_timeout, cluster_key=key, policy=policy, limits=limits,
+                        worker_timeout=args.worker_timeout)
 
 
 def run_http(args: argparse.Namespace, engine, tokenizer, tenants, supervisor) -> int:

@@ -51,7 +51,7 @@ def test_round_trip_and_the_line_format(tmp_path):
     first = msgspec.json.decode(path.read_bytes().splitlines()[0])
     assert list(first) == ["time", "tenant", "rid", "model", "endpoint", "prompt_tokens", "output_tokens",
                            "max_tokens", "admission", "decided_by", "status", "error_code", "error",
-                           "finish_reason", "prefill", "decode", "pages", "verification", "duration_s"]
+                           "finish_reason", "prefill", "decode", "decode_epoch", "pages", "verification", "duration_s"]
     assert first["rid"] == "0" * 31 + "1" and first["pages"] == [[3, 7]] and first["decided_by"] is None
     assert records[1].rid == "f" * 32
 

@@ -14,7 +14,7 @@ from kvfence.core import Request, SamplingParams, ServiceUnavailable, TooManyReq
 from kvfence.protocol.actions import Deliver, Send
 from kvfence.protocol.capacity import DispatchLimits, FairQueue, QueuePolicy, TenantQuota
 from kvfence.protocol.messages import Admit, Hello, Output, Params, Prefill
-from kvfence.protocol.router import RouterCore
+from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.router.queued import QueuedEngine
 from kvfence.router.tenants import TenantConfigError, Tenants
 from kvfence.safety import Safety
@@ -128,11 +128,11 @@ def test_no_503_while_a_worker_restarts_within_the_grace():
     c = core(grace=30.0)
     c.submit(req(1), now=0)
     out = c.worker_down(D)
-    assert delivered_errors(out) == {1: 503}  # it was on the dead worker (the worker side may retry it later)
-    assert c.submit(req(2), now=1) == [] and c.queued() == 1
+    assert delivered_errors(out) == {} and c.queued() == 1  # it had no token yet: it waits for its retry
+    assert c.submit(req(2), now=1) == [] and c.queued() == 2
     assert c.tick(2.0) == [] and c.tick(30.0) == []
     out = c.worker_up(decode_hello(8, pid=2))
-    assert started(out) == [2] and delivered_errors(out) == {}
+    assert started(out) == [retry_rid(1), 2] and delivered_errors(out) == {}
 
 
 def test_requests_waiting_for_a_missing_role_get_503_after_the_grace():

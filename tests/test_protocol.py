@@ -13,6 +13,7 @@ from kvfence.protocol.messages import (
     Done,
     ErrorInfo,
     Fail,
+    Fenced,
     Hello,
     Output,
     Params,
@@ -23,7 +24,7 @@ from kvfence.protocol.messages import (
     WorkerDown,
 )
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
-from kvfence.protocol.router import RouterCore
+from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.safety import Safety
 
 R, P, D = "router", "prefill-0", "decode-0"
@@ -431,13 +432,18 @@ def test_router_without_deferred_abort_cancels_mid_transfer():
     assert core.client_gone(RID) == [Send(D, Cancel(RID))]
 
 
-def test_router_worker_death_ends_its_requests_with_503():
+def test_router_worker_death_retries_a_request_without_tokens_once_then_ends_it_with_503():
     core = router_core()
     core.submit(request())
     out = core.worker_down(P)
     assert [a.to for a in out[:3]] == ["prefill-1", D, "decode-1"] and out[0].msg == WorkerDown(P)
-    assert out[3].error.status == 503 and out[4] == Send(D, Cancel(RID))
-    assert core.reqs == {} and P not in core.workers
+    assert out[3] == Send(D, Cancel(RID))
+    retry = retry_rid(RID)
+    assert [(a.to, type(a.msg), a.msg.rid) for a in out[4:]] == [(D, Admit, retry), ("prefill-1", Prefill, retry)]
+    assert list(core.reqs) == [retry] and P not in core.workers
+    out = core.worker_down("prefill-1")  # the second attempt's worker dies too: no third
+    assert [a.error.status for a in out if isinstance(a, Deliver)] == [503] and out[-1] == Send(D, Cancel(retry))
+    assert core.reqs == {} and core.queued() == 0
 
 
 def test_router_prefill_reject_after_client_left_still_cancels_decode():
@@ -455,19 +461,23 @@ def test_router_treats_a_decode_hello_with_a_new_pid_as_a_restart():
     """Found by `kvfence verify --quick-restart`: a decode worker that restarted before the router noticed its death
     (a remote worker back within the heartbeat timeout) used to be taken for the same worker. Its old requests never
     ended, and prefill got the new descriptor without a WorkerDown, so a Dest from the dead incarnation made it write
-    into the new pool, whose (page, epoch) pairs start over and belong to other requests."""
+    into the new pool, whose (page, epoch) pairs start over and belong to other requests. Now the old incarnation
+    goes through worker_down, and the new one is told to join under the next membership epoch."""
     core = router_core()
     core.workers[D].hello = Hello(D, "decode", "tcp://x", {"shm": "old"}, 1000, 64, free_pages=10, pid=41)
     core.submit(request())
     restarted = Hello(D, "decode", "tcp://x", {"shm": "new"}, 1000, 64, free_pages=10, pid=42)
-    out = core.worker_up(restarted)
-    assert [(a.to, a.msg) for a in out if isinstance(a, Send)] == [
-        ("prefill-0", WorkerDown(D)), ("prefill-1", WorkerDown(D)), ("decode-1", WorkerDown(D)),
-        ("prefill-0", Peers({"decode-1": {}, D: {"shm": "new"}})),
-        ("prefill-1", Peers({"decode-1": {}, D: {"shm": "new"}}))]
-    assert [a.error.status for a in out if isinstance(a, Deliver)] == [503]
-    assert core.reqs == {} and core.workers[D].hello is restarted and core.workers[D].in_flight == 0
-    assert core.worker_up(restarted) == []  # its next heartbeat is just a heartbeat
+    out = core.handle(D, restarted)
+    assert [(a.to, a.msg) for a in out if isinstance(a, Send) and not isinstance(a.msg, Admit | Prefill)] == [
+        ("prefill-0", WorkerDown(D)), ("prefill-1", WorkerDown(D)), ("decode-1", WorkerDown(D)), (D, Fenced(1))]
+    assert [a for a in out if isinstance(a, Deliver)] == []  # no token yet: retried on another pair
+    assert list(core.reqs) == [retry_rid(RID)] and core.reqs[retry_rid(RID)].decode == "decode-1"
+    assert D not in core.workers
+    out = core.handle(D, restarted, epoch=1)
+    assert [(a.to, a.msg) for a in out] == [("prefill-0", Peers({"decode-1": {}, D: {"shm": "new"}})),
+                                            ("prefill-1", Peers({"decode-1": {}, D: {"shm": "new"}}))]
+    assert core.workers[D].hello is restarted and core.workers[D].in_flight == 0
+    assert core.handle(D, restarted, epoch=1) == []  # its next heartbeat is just a heartbeat
 
 
 def test_router_keeps_a_restarted_prefill_and_its_requests():

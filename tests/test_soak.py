@@ -29,8 +29,8 @@ def soak(tmp_path, *flags: str, unsafe: str = "") -> tuple[subprocess.CompletedP
 
 
 def test_a_short_soak_with_every_fault_kind_comes_back_clean(tmp_path):
-    proc, report = soak(tmp_path, "--requests", "240", "--concurrency", "8", "--kills", "2",
-                        "--handoff-timeout", "3", "--disconnect", "0.08",
+    proc, report = soak(tmp_path, "--requests", "240", "--concurrency", "8", "--kills", "2", "--pauses", "2",
+                        "--worker-timeout", "4", "--handoff-timeout", "3", "--disconnect", "0.08",
                         "--faults", "drop=0.004,dup=0.01,delay=0.02,delay_s=0.3,flip=0.15")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert report["findings"] == []
@@ -38,6 +38,8 @@ def test_a_short_soak_with_every_fault_kind_comes_back_clean(tmp_path):
     # every fault kind really happened
     assert {k["role"] for k in report["kills"]} == {"prefill", "decode"}
     assert any(k["transfers_in_flight"] for k in report["kills"])
+    assert [(p["role"], bool(p["fenced_at"] and p["back_at"])) for p in report["pauses"]] == [
+        ("decode", True), ("prefill", True)]  # each paused worker was fenced, then came back (checked by the soak)
     assert report["verification_failures"].get("checksum", 0) >= 1  # flipped bytes caught on landing
     assert out["client_left"].get("handoff", 0) >= 1 and out["client_left"].get("stream", 0) >= 1
     assert out["statuses"]["400"] == out["over_length"]

@@ -16,7 +16,7 @@ from kvfence.protocol.prefill import PrefillCore
 from kvfence.protocol.router import RouterCore
 from kvfence.safety import Safety
 from kvfence.verify.explorer import explore
-from kvfence.verify.world import FAULTS, CheckConfig, Faults, World
+from kvfence.verify.world import FAULTS, CheckConfig, Faults, RequestSpec, World
 
 
 def unsafe(layers: str, **kw) -> CheckConfig:
@@ -103,7 +103,7 @@ def test_copy_on_write_and_cached_keys_match_fully_independent_copies():
     rng = random.Random(3)
     kinds: set[str] = set()
     for _ in range(25):
-        w = World(CheckConfig(faults=Faults(drop=1, total=2)))
+        w = World(CheckConfig(faults=Faults(drop=1, fence=1, total=2)))
         for _ in range(40):
             events = w.events()
             if not events:
@@ -126,7 +126,7 @@ def test_every_fault_kind_is_offered_by_the_environment():
     rng = random.Random(7)
     kinds: set[str] = set()
     for _ in range(30):
-        w = World(CheckConfig(faults=Faults(drop=1)))
+        w = World(CheckConfig(faults=Faults(drop=1, fence=1)))
         for _ in range(40):
             events = w.events()
             kinds.update(ev[0] for ev in events)
@@ -135,6 +135,29 @@ def test_every_fault_kind_is_offered_by_the_environment():
                 break
             w.apply(rng.choice(progress))
     assert FAULTS <= kinds, FAULTS - kinds
+
+
+ALICE = RequestSpec("A", "alice", 4, 2, 1)
+ONLY = dict(dup=0, crash=0, disconnect=0, fail=0, lose=0, short=0, corrupt=0)  # with these: no other fault
+
+
+def test_a_worker_declared_dead_while_it_runs_is_fenced_and_every_run_ends_clean():
+    """The router fences a live worker (paused past --worker-timeout); it runs on, its writes may land, what it sends
+    carries its old epoch. Every run ends with A answered once (retried where it had no token), no page reused while
+    the fenced writer may write (I2), nothing it sent under the old epoch delivered (I7), nothing leaked (I5)."""
+    res = explore(CheckConfig(requests=(ALICE,), faults=Faults(**{**ONLY, "fence": 1, "lose": 1, "disconnect": 1},
+                                                               total=2)))
+    assert res.ok and res.complete and res.quiescent > 0, res.report()
+
+
+def test_without_quarantine_for_a_fenced_writer_its_late_writes_land_in_reused_pages(monkeypatch):
+    """The harm: a decode worker that frees a fenced writer's pages at once (as for a dead one) grants them to the
+    retry while the paused prefill's writes may still land."""
+    peer_down = DecodeCore.peer_down
+    monkeypatch.setattr(DecodeCore, "peer_down", lambda core, worker, now, fenced=False: peer_down(core, worker, now))
+    res = explore(CheckConfig(requests=(ALICE,), faults=Faults(**ONLY, fence=1)))
+    assert res.violation is not None and res.violation.invariant == "I2", res.report()
+    assert "fences it" in res.report() and len(res.trace) <= 20
 
 
 def test_cli_verify_prints_the_state_count_and_exits_0(capsys):

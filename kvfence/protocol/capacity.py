@@ -168,16 +168,25 @@ class FairQueue:
         err = self._refusal(req, now)
         if err is not None:
             return err
-        if tenant not in self.queues:  # backlogged again: no credit for the time it was idle
-            self.shares.resume(tenant)
-            self.queues[tenant] = deque()
         self.arrivals += 1
-        self.queues[tenant].append(Queued(req, self.arrivals))
+        self._queue_of(tenant).append(Queued(req, self.arrivals))
         self.tenant_of[req.rid] = tenant
         bucket = self.buckets.get(tenant)
         if bucket is not None:
             bucket.take(req.prompt_len)
         return None
+
+    def requeue(self, req: Request) -> None:
+        """Put a started request back at the head of its tenant's queue (its worker died before it sent a token;
+        call ``ended`` for it first). No quota is checked and its bucket is not charged again."""
+        self._queue_of(req.tenant).appendleft(Queued(req, 0))
+        self.tenant_of[req.rid] = req.tenant
+
+    def _queue_of(self, tenant: str) -> deque[Queued]:
+        if tenant not in self.queues:  # backlogged again: no credit for the time it was idle
+            self.shares.resume(tenant)
+            self.queues[tenant] = deque()
+        return self.queues[tenant]
 
     def _refusal(self, req: Request, now: float) -> TooManyRequests | None:
         tenant, quota = req.tenant, self.policy.quota(req.tenant)

@@ -30,6 +30,10 @@ Contracts:
   one bad transfer cannot drain the pool.
 - Every request that ends here without finishing normally sends the router
   a Reject, unless the router itself cancelled it.
+- A writer the router fenced (declared dead for its silence) may still be
+  running: the pages it was writing stay quarantined until it answers for
+  them or is known to have exited. Fenced itself (``drop_all``), this worker
+  ends every request as a cancel would.
 """
 
 from __future__ import annotations
@@ -151,17 +155,27 @@ class DecodeCore:
         actions: list[Action] = [Send(self.router, out)]
         return actions + (self._grant_waiting(now) if ended else [])
 
-    def peer_down(self, worker: str, now: float) -> list[Action]:
-        """``worker`` is dead: none of its writes can land any more."""
+    def peer_down(self, worker: str, now: float, fenced: bool = False) -> list[Action]:
+        """``worker`` is dead: none of its writes can land any more; or (``fenced``) it was declared dead but may
+        still write, so with L6 the pages it was writing are quarantined until it answers for them."""
+        hold = fenced and self.safety.deferred_release
         actions: list[Action] = []
         for req in list(self.reqs.values()):
             if req.prefill == worker and req.state in (DState.AWAIT_DONE, DState.ABORTING):
                 if req.state is DState.AWAIT_DONE:
                     actions.append(self._reject(req.rid, ServiceUnavailable("the prefill worker died")))
-                self._release(req)
+                if hold:
+                    self._hold(req, f"{worker} was declared dead but may still write")
+                else:
+                    self._release(req)
         for rid, (writer, _) in list(self.held.items()):
-            if writer == worker:
+            if writer == worker and not hold:
                 self._writer_heard(rid, worker)
+        return actions + self._grant_waiting(now)
+
+    def drop_all(self, now: float) -> list[Action]:
+        """The router fenced this worker and ended its requests: cancel each (no Reject), pages freed under L6."""
+        actions = [a for rid in list(self.reqs) for a in self._cancel(rid, now)]
         return actions + self._grant_waiting(now)
 
     # -- events ---------------------------------------------------------------------

@@ -13,6 +13,10 @@ Flow (decode first, as in DESIGN section 4):
     decode  --Output...-> router                      (tokens, then the end)
     any leg --Reject-->   router                      (and Fail/Cancel to its peer)
     router  --Cancel-->   decode   --Abort--> prefill --AbortAck--> decode
+
+Membership: every envelope carries its sender's epoch. The router moves a
+worker's epoch on when it declares the worker dead, drops whatever arrives
+under an older one and answers it with Fenced (docs/protocol.md, "Fencing").
 """
 
 from __future__ import annotations
@@ -210,20 +214,33 @@ class Peers(Msg, frozen=True):
 
 
 class WorkerDown(Msg, frozen=True):
-    """Router -> workers: ``worker`` is dead; none of its writes or messages will come."""
+    """Router -> workers: ``worker`` is dead; none of its writes or messages will come.
+
+    ``fenced``: it was declared dead for its silence and may still be running: a decode worker keeps the pages it
+    granted to it quarantined until it answers for them (L6), instead of freeing them at once."""
 
     worker: str
+    fenced: bool = False
+
+
+class Fenced(Msg, frozen=True):
+    """Router -> a worker that spoke under an epoch the router has moved past: you were declared dead. Drop every
+    request you hold (their clients have their errors), release their pages under L6, and say Hello again under
+    ``epoch``."""
+
+    epoch: int
 
 
 Message = Union[Admit, Prefill, Cancel, Dest, Done, Progress, Fail, Abort, AbortAck, Output, Reject, Hello,  # noqa: UP007
-                Peers, WorkerDown]
+                Peers, WorkerDown, Fenced]
 
 
 class Envelope(msgspec.Struct, frozen=True):
-    """What travels: the sender's id and one message."""
+    """What travels: the sender's id, one message, and the sender's membership epoch (``Fenced``)."""
 
     sender: str
     msg: Message
+    epoch: int = 0
 
 
 class BadMessage(ValueError):
@@ -234,8 +251,8 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Envelope)
 
 
-def encode_message(sender: str, msg: Message) -> bytes:
-    return _encoder.encode(Envelope(sender, msg))
+def encode_message(sender: str, msg: Message, epoch: int = 0) -> bytes:
+    return _encoder.encode(Envelope(sender, msg, epoch))
 
 
 def decode_message(data: bytes) -> Envelope:

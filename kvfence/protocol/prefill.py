@@ -156,14 +156,18 @@ class PrefillCore:
         for req in list(self.reqs.values()):
             if req.decode != worker:
                 continue
-            if req.state is PState.COMPUTING:
-                req.state = PState.ACKED
+            if req.state is PState.COMPUTING:  # an AbortAck once stopped, should a fenced decode come back and ask
+                req.state = PState.ABORTING if self.safety.deferred_release else PState.ACKED
                 actions += [StopPrefill(req.rid), self._reject(req.rid, ServiceUnavailable("the decode worker died"))]
             elif req.state in (PState.WAIT_DEST, PState.WAIT_PREFILL):
                 if req.msg is not None:
                     actions.append(self._reject(req.rid, ServiceUnavailable("the decode worker died")))
                 del self.reqs[req.rid]
         return actions
+
+    def drop_all(self) -> list[Action]:
+        """The router fenced this worker and ended its requests: abort each as decode would ask (no Reject)."""
+        return [a for rid, req in list(self.reqs.items()) for a in self._abort(req.decode, rid)]
 
     # -- events -------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 Sans-IO: ``submit``, ``client_gone``, ``handle``, ``worker_up``,
 ``worker_down``, ``set_drained`` and ``tick`` go in (time as arguments);
 ``Send`` and ``Deliver`` actions come out. ``drained`` is the set of workers
-an operator has taken out of rotation.
+an operator has taken out of rotation; ``suspected`` the set of workers that
+have gone quiet (``set_suspected``).
 
 Per request: QUEUED (in ``queue``, see ``protocol/capacity.py``) -> HANDOFF
 (sent to a prefill/decode pair, no token yet) -> STREAMING (tokens arriving)
@@ -38,20 +39,51 @@ Contracts:
   with tokens missing.
 - A request that hears nothing from its workers for ``silence_timeout``
   seconds (``tick``) ends with a 503; a lost message never hangs a client.
+
+Faults (``worker_down``):
+- A dead decode worker ends its requests; a dead prefill worker only those
+  still in their handoff: a request whose KV has landed streams on.
+- A request that has delivered no token is sent again, once, to a live pair
+  (under a fresh wire id, so no worker confuses the two attempts); one that
+  has streamed ends with a 503, never retried.
+- A suspected worker gets no new request until it speaks again.
+- Fencing: a worker's membership epoch moves on at each of its deaths, so
+  no two incarnations share one. One declared dead for its silence
+  (``fenced``) may still be running: whatever it sends under an older epoch
+  is dropped and answered with ``Fenced`` (it then drops its requests and
+  says Hello under the new epoch), so nothing it computed for the requests
+  it held reaches a client. A restarted process (epoch 0) joins the same way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from kvfence.core import ContextLengthExceeded, KvfenceError, Request, ServiceUnavailable
 from kvfence.protocol.actions import Action, Deliver, Send
 from kvfence.protocol.capacity import DispatchLimits, FairQueue, QueuePolicy
-from kvfence.protocol.messages import Admit, Cancel, Hello, Message, Output, Params, Peers, Prefill, Reject, WorkerDown
+from kvfence.protocol.messages import (
+    Admit,
+    Cancel,
+    Fenced,
+    Hello,
+    Message,
+    Output,
+    Params,
+    Peers,
+    Prefill,
+    Reject,
+    WorkerDown,
+)
 from kvfence.safety import Safety
 
 ROLES = ("prefill", "decode")
+
+
+def retry_rid(rid: int) -> int:
+    """The id a request's second attempt travels under: unlike its first, so no worker mistakes one for the other."""
+    return rid ^ 0xFFFF
 
 
 class RState(Enum):
@@ -61,10 +93,11 @@ class RState(Enum):
 
 @dataclass
 class RouterReq:
-    rid: int
+    rid: int  # the id on the wire: the client's, or ``retry_rid`` of it for a retry
     tenant: str
-    prefill: str
+    prefill: str  # "" once the prefill worker died after the handoff
     decode: str
+    request: Request = field(repr=False)  # as the client sent it, for a retry
     prompt_tokens: int = 0  # counted in its prefill worker's backlog until the handoff ends
     reserved_pages: int = 0  # counted against its decode worker's pages until it ends
     state: RState = RState.HANDOFF
@@ -72,6 +105,11 @@ class RouterReq:
     delivered: int = 0  # completion tokens delivered so far
     heard: bool = True  # a message arrived since the last tick
     quiet_since: float | None = None
+
+    @property
+    def client(self) -> int:
+        """The id the client knows the request by."""
+        return self.request.rid
 
 
 @dataclass
@@ -111,6 +149,11 @@ class RouterCore:
         self.reqs: dict[int, RouterReq] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.drained: set[str] = set()  # worker ids; kept across a worker's death, so a restart stays drained
+        self.suspected: set[str] = set()  # live workers gone quiet: no new request until they speak
+        self.epochs: dict[str, int] = {}  # worker id -> its membership epoch (absent: 0), moved on at each death
+        self.fenced: dict[str, int] = {}  # worker -> pid, while declared dead for silence but not known to be gone
+        self.retried: set[int] = set()  # client rids on their second attempt
+        self.stale_messages = 0  # dropped: sent under an epoch fenced since
         self.absent_since: dict[str, float] = {}  # role -> when it was first seen without a live worker
 
     # -- clients -----------------------------------------------------------------
@@ -127,15 +170,16 @@ class RouterCore:
 
     def client_gone(self, rid: int) -> list[Action]:
         if self.queue.withdraw(rid) is not None:
+            self.retried.discard(rid)
             return []
-        req = self.reqs.get(rid)
+        req = self.reqs.get(self.wire_rid(rid))
         if req is None:
             return []
         if req.state is RState.HANDOFF and self.safety.deferred_abort:
             req.cancel_pending = True  # L7: cancel decode once the handoff has ended; prefill stops computing now
             return [Send(req.prefill, Cancel(rid))]
         self._end(req)
-        return [Send(req.decode, Cancel(rid))] + self._dispatch()
+        return [Send(req.decode, Cancel(req.rid))] + self._dispatch()
 
     def tick(self, now: float) -> list[Action]:
         """End every request that has heard nothing from its workers for ``silence_timeout`` seconds; fail the
@@ -148,7 +192,7 @@ class RouterCore:
                 self._end(req)
                 err = ServiceUnavailable(f"no word from this request's prefill and decode workers for "
                                          f"{self.silence_timeout:.0f}s", code="worker_silent")
-                actions += [Send(req.decode, Cancel(req.rid)), Deliver(req.rid, error=err)]
+                actions += [Send(req.decode, Cancel(req.rid)), Deliver(req.client, error=err)]
         self._see_roles(now)
         absent = self._absent_error(now)
         if absent is not None:
@@ -164,12 +208,32 @@ class RouterCore:
             self.drained.discard(worker)
         return self._fail_queued(self._unservable) + self._dispatch()
 
+    def set_suspected(self, worker: str, suspected: bool) -> list[Action]:
+        """``worker`` has gone quiet (no new request goes to it), or speaks again."""
+        if suspected:
+            self.suspected.add(worker)
+            return []
+        self.suspected.discard(worker)
+        return self._dispatch()
+
     def queued(self) -> int:
         return len(self.queue)
 
+    def wire_rid(self, rid: int) -> int:
+        """The id the request a client knows as ``rid`` travels under now."""
+        return retry_rid(rid) if rid in self.retried else rid
+
     # -- workers -----------------------------------------------------------------
 
-    def handle(self, sender: str, msg: Message) -> list[Action]:
+    def handle(self, sender: str, msg: Message, epoch: int = 0) -> list[Action]:
+        """A message from ``sender`` under membership ``epoch``. One from an epoch the router has fenced is dropped
+        and answered with ``Fenced``; a newer one (a router that restarted) is adopted."""
+        current = self.epochs.get(sender, 0)
+        if epoch < current:
+            self.stale_messages += 1
+            return [Send(sender, Fenced(current))]
+        if epoch > current:
+            self.epochs[sender] = epoch
         match msg:
             case Output():
                 return self._output(sender, msg)
@@ -185,13 +249,17 @@ class RouterCore:
 
         A known decode worker with a new pid is a new process under the old id, restarted before its death was
         noticed: the old one goes through ``worker_down`` first, so its requests end and every prefill hears of
-        the death before it hears of the new pool. (Not so for prefill: messages queued for the dead process
-        reach the new one, which may still act on them, so decode must keep waiting for its answers.)
+        the death before it hears of the new pool, and the new one is told to join under the next epoch. (Not so
+        for prefill: messages queued for the dead process reach the new one, which may still act on them, so
+        decode must keep waiting for its answers.)
         """
         info = self.workers.get(hello.worker)
         actions: list[Action] = []
         if info is not None and hello.role == "decode" and info.hello.pid != hello.pid:
-            actions, info = self.worker_down(hello.worker), None
+            rejoin = Send(hello.worker, Fenced(self.epochs.get(hello.worker, 0) + 1))
+            return self.worker_down(hello.worker) + [rejoin]
+        if self.fenced.pop(hello.worker, hello.pid) != hello.pid:  # a new process: the fenced one is gone
+            actions += [Send(w, WorkerDown(hello.worker)) for w in self.workers]
         news = info is None or info.hello.data != hello.data
         self.absent_since.pop(hello.role, None)
         if info is None:
@@ -204,21 +272,46 @@ class RouterCore:
             return actions + ([Send(hello.worker, peers)] if stale else []) + self._dispatch()
         return actions + ([Send(p, peers) for p in self._role("prefill")] if news else []) + self._dispatch()
 
-    def worker_down(self, worker: str) -> list[Action]:
-        """``worker`` died: its requests end with a 503 now; their other legs are cancelled. Queued requests wait for
-        a worker of its role (``DispatchLimits.worker_grace``)."""
+    def worker_down(self, worker: str, fenced: bool = False) -> list[Action]:
+        """``worker`` died (``fenced``: was declared dead for its silence, and may still run; its epoch moves on).
+
+        Its decode requests, and its prefill requests still in their handoff, end: one without a delivered token
+        is retried once on a live pair, the rest get 503; their other legs are cancelled. A prefill worker's
+        requests past their handoff stream on. Queued requests wait for a worker of its role
+        (``DispatchLimits.worker_grace``). A fenced worker that turns out to have exited is announced again, so
+        decode frees the pages it kept for it."""
         info = self.workers.pop(worker, None)
         if info is None:
-            return []
-        actions: list[Action] = [Send(w, WorkerDown(worker)) for w in self.workers]
+            if fenced or self.fenced.pop(worker, None) is None:
+                return []
+            self.epochs[worker] += 1  # what its last incarnation sent is stale too
+            return [Send(w, WorkerDown(worker)) for w in self.workers]  # decode may free what it kept for it
+        self.suspected.discard(worker)
+        self.epochs[worker] = self.epochs.get(worker, 0) + 1
+        if fenced:
+            self.fenced[worker] = info.hello.pid
+        actions: list[Action] = [Send(w, WorkerDown(worker, fenced)) for w in self.workers]
         died = f"the {info.hello.role} worker serving this request died"  # no address: clients see it
         for req in list(self.reqs.values()):
-            if worker in (req.prefill, req.decode):
-                self._end(req)
-                actions.append(Deliver(req.rid, error=ServiceUnavailable(died)))
+            if req.prefill == worker and req.state is RState.STREAMING:
+                req.prefill = ""  # its KV has landed: it streams on
+            elif worker in (req.prefill, req.decode):
+                actions += self._lost(req, died)
                 if req.decode != worker:
                     actions.append(Send(req.decode, Cancel(req.rid)))
         return actions + self._dispatch()
+
+    def _lost(self, req: RouterReq, died: str) -> list[Action]:
+        """End ``req``, whose worker died: retry it once if it has delivered nothing, else a 503."""
+        retry = req.state is RState.HANDOFF and req.client not in self.retried
+        self._end(req)
+        if req.cancel_pending:
+            return []
+        if retry:
+            self.retried.add(req.client)
+            self.queue.requeue(req.request)
+            return []
+        return [Deliver(req.client, error=ServiceUnavailable(died))]
 
     # -- internals ---------------------------------------------------------------
 
@@ -234,15 +327,15 @@ class RouterCore:
             self._end(req)
             err = ServiceUnavailable(f"lost part of the output stream (token {req.delivered} of {first})",
                                      code="output_lost")
-            return [Send(req.decode, Cancel(req.rid))] + ([] if req.cancel_pending else [Deliver(req.rid, error=err)]) \
-                + self._dispatch()
+            deliver = [] if req.cancel_pending else [Deliver(req.client, error=err)]
+            return [Send(req.decode, Cancel(req.rid)), *deliver, *self._dispatch()]
         self.queue.charge(req.tenant, msg.completion_tokens - req.delivered)
         req.delivered = msg.completion_tokens
         if req.cancel_pending:  # the client left during the handoff, which has now ended
             self._end(req)
             cancel = [Send(req.decode, Cancel(req.rid))] if msg.finish_reason is None else []
             return cancel + self._dispatch()
-        deliver: list[Action] = [Deliver(msg.rid, output=msg)]
+        deliver: list[Action] = [Deliver(req.client, output=msg)]
         if msg.finish_reason is not None:
             self._end(req)
             return deliver + self._dispatch()
@@ -259,7 +352,7 @@ class RouterCore:
             return []  # unsafe: like the incident's balancer, only the decode leg's status counts
         self._end(req)
         # A client that already left gets nothing, but decode must still hear that prefill gave up.
-        actions: list[Action] = [] if req.cancel_pending else [Deliver(req.rid, error=msg.error.to_error())]
+        actions: list[Action] = [] if req.cancel_pending else [Deliver(req.client, error=msg.error.to_error())]
         if sender == req.prefill:
             actions.append(Send(req.decode, Cancel(req.rid)))
         return actions + self._dispatch()
@@ -278,6 +371,7 @@ class RouterCore:
         if req.state is RState.HANDOFF:
             self._handoff_ended(req)
         del self.reqs[req.rid]
+        self.retried.discard(req.client)
         self.queue.ended(req.tenant)
         for w in (req.prefill, req.decode):
             if w in self.workers:
@@ -337,9 +431,13 @@ class RouterCore:
         for entry in list(self.queue.entries()):
             err = error_of(entry.req)
             if err is not None:
-                self.queue.withdraw(entry.req.rid)
-                actions.append(Deliver(entry.req.rid, error=err))
+                actions.append(self._refuse_queued(entry.req.rid, err))
         return actions
+
+    def _refuse_queued(self, rid: int, err: KvfenceError) -> Deliver:
+        self.queue.withdraw(rid)
+        self.retried.discard(rid)
+        return Deliver(rid, error=err)
 
     def _dispatch(self) -> list[Action]:
         """Send queued requests, in the queue's order, while the next one has a pair with room for it."""
@@ -348,8 +446,7 @@ class RouterCore:
             req = entry.req
             err = self._admission_error(req) or self._unservable(req)  # the pools may have changed while it waited
             if err is not None:
-                self.queue.withdraw(req.rid)
-                actions.append(Deliver(req.rid, error=err))
+                actions.append(self._refuse_queued(req.rid, err))
                 continue
             pair = self._pick_pair(req)
             if pair is None:
@@ -361,7 +458,8 @@ class RouterCore:
     def _send(self, req: Request, prefill: str, decode: str) -> list[Action]:
         p, d = self.workers[prefill], self.workers[decode]
         reserved = d.pages(req.prompt_len + self._output_reserve(req))
-        self.reqs[req.rid] = RouterReq(req.rid, req.tenant, prefill, decode, req.prompt_len, reserved)
+        rid = self.wire_rid(req.rid)
+        self.reqs[rid] = RouterReq(rid, req.tenant, prefill, decode, req, req.prompt_len, reserved)
         idle_pair = p.in_flight == d.in_flight == 0
         p.in_flight += 1
         d.in_flight += 1
@@ -370,8 +468,8 @@ class RouterCore:
         d.promise(req.prompt_len)
         params = Params.of(req.params)
         return [
-            Send(decode, Admit(req.rid, req.tenant, req.prompt_ids, params, prefill, req.weight)),
-            Send(prefill, Prefill(req.rid, req.tenant, req.prompt_ids, params, decode, idle_pair, req.weight)),
+            Send(decode, Admit(rid, req.tenant, req.prompt_ids, params, prefill, req.weight)),
+            Send(prefill, Prefill(rid, req.tenant, req.prompt_ids, params, decode, idle_pair, req.weight)),
         ]
 
     def _output_reserve(self, req: Request) -> int:
@@ -381,8 +479,8 @@ class RouterCore:
     def _pick_pair(self, req: Request) -> tuple[str, str] | None:
         """Among the workers that fit the request and have room for it now: the least-loaded prefill by backlog,
         the decode with the most projected free pages."""
-        prefills = [w for w in self._fitting("prefill", req) if self._prefill_has_room(w)]
-        decodes = [w for w in self._fitting("decode", req) if self._decode_has_room(w, req)]
+        prefills = [w for w in self._fitting("prefill", req) if self._prefill_has_room(w) and self._trusted(w)]
+        decodes = [w for w in self._fitting("decode", req) if self._decode_has_room(w, req) and self._trusted(w)]
         if not prefills or not decodes:
             return None
         prefill = min(prefills, key=lambda w: (w.backlog_tokens, w.hello.queued_tokens, w.hello.worker))
@@ -402,6 +500,9 @@ class RouterCore:
         if self.limits.output_reserve_tokens is None or w.in_flight == 0:
             return True
         return w.reserved_pages + w.pages(req.prompt_len + self._output_reserve(req)) <= w.usable_pages()
+
+    def _trusted(self, w: WorkerInfo) -> bool:
+        return w.hello.worker not in self.suspected
 
     def _rotation(self, role: str) -> list[WorkerInfo]:
         """The live workers of ``role`` that are not drained."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Protocol, runtime_checkable
+from typing import Annotated, Any, NamedTuple, Protocol, runtime_checkable
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -73,23 +73,29 @@ class ManagedEngine(EngineClient, Protocol):
         """Take ``worker`` out of rotation or put it back; ``KeyError`` if it is unknown."""
         ...
 
-    def route(self, rid: int) -> tuple[str, str] | None:
-        """The (prefill, decode) workers a recent request was sent to; ``None`` if it never reached one."""
+    def route(self, rid: int) -> Route | None:
+        """The workers a recent request was sent to (its last attempt's); ``None`` if it never reached one."""
         ...
+
+
+class Route(NamedTuple):
+    prefill: str
+    decode: str
+    decode_epoch: int = 0  # the decode worker's membership epoch when the request was sent to it
 
 
 class RecentRoutes:
     """The routes of the last ``ROUTES_KEPT`` requests: bounded, whoever forgets to look them up."""
 
     def __init__(self) -> None:
-        self._routes: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        self._routes: OrderedDict[int, Route] = OrderedDict()
 
-    def add(self, rid: int, prefill: str, decode: str) -> None:
-        self._routes[rid] = (prefill, decode)
+    def add(self, rid: int, route: Route) -> None:
+        self._routes[rid] = route
         if len(self._routes) > ROUTES_KEPT:
             self._routes.popitem(last=False)
 
-    def get(self, rid: int) -> tuple[str, str] | None:
+    def get(self, rid: int) -> Route | None:
         return self._routes.get(rid)
 
 
@@ -116,7 +122,7 @@ class Colocated:
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self.drained:
             return _refused(ServiceUnavailable("The engine is drained; try again later."))
-        self._routes.add(request.rid, LOCAL_WORKER, LOCAL_WORKER)
+        self._routes.add(request.rid, Route(LOCAL_WORKER, LOCAL_WORKER))
         return self.engine.generate(request)
 
     def health(self) -> dict:
@@ -130,7 +136,7 @@ class Colocated:
             raise KeyError(worker)
         self.drained = drained
 
-    def route(self, rid: int) -> tuple[str, str] | None:
+    def route(self, rid: int) -> Route | None:
         return self._routes.get(rid)
 
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, replace
 
 from kvfence.core import KvfenceError, RequestOutput
-from kvfence.router.admin import LOCAL_WORKER, ManagedEngine
+from kvfence.router.admin import LOCAL_WORKER, ManagedEngine, Route
 from kvfence.router.metrics import VERIFICATION_LAYERS, Metrics
 from kvfence.tools.auditlog import VERIFICATION_NA, AuditLog, AuditRecord, rid_hex
 
@@ -66,20 +66,20 @@ class Ledger:
         "n/a"."""
         err, last = end.error, end.last
         route = self.engine.route(end.rid)
-        prefill, decode = route or (None, None)
+        prefill, decode, epoch = route or (None, None, 0)
         return AuditRecord(
             time=time.time(), tenant=end.tenant, rid=rid_hex(end.rid), model=end.model, endpoint=end.endpoint,
             prompt_tokens=end.prompt_tokens, output_tokens=end.output_tokens, max_tokens=end.max_tokens,
             admission=end.admission, decided_by=err.layer if err else None, status=end.status,
             error_code=(err.code or err.type) if err else None, error=err.message if err else None,
             finish_reason=str(last.finish_reason) if last and last.finish_reason else None,
-            prefill=prefill, decode=decode, pages=list(last.pages or []) if last else [],
+            prefill=prefill, decode=decode, decode_epoch=epoch, pages=list(last.pages or []) if last else [],
             verification=_verification(err, last, route), duration_s=time.monotonic() - end.arrived)
 
 
-def _verification(err: KvfenceError | None, last: RequestOutput | None, route: tuple[str, str] | None) -> str:
+def _verification(err: KvfenceError | None, last: RequestOutput | None, route: Route | None) -> str:
     if last is not None and last.verification:
         return last.verification
     if err is not None and err.layer in VERIFICATION_LAYERS:
         return f"failed: {err.message}"
-    return COLOCATED_VERIFICATION if route == (LOCAL_WORKER, LOCAL_WORKER) else VERIFICATION_NA
+    return COLOCATED_VERIFICATION if route is not None and route.decode == LOCAL_WORKER else VERIFICATION_NA

@@ -2,7 +2,9 @@
 
 Everything runs on the asyncio loop of the HTTP server, so the core needs no
 locks: HTTP handlers call ``generate``; one task receives worker messages;
-one task watches heartbeats and declares silent workers dead.
+one task watches heartbeats: a worker silent for ``SUSPECT_S`` is suspected
+(no new request goes to it), one silent for ``worker_timeout`` is declared
+dead and fenced (``RouterCore.worker_down``).
 
 Admin controls: ``worker_table`` and ``set_drained`` (drained workers get no
 new request); ``route(rid)`` names the (prefill, decode) pair a recent
@@ -26,26 +28,29 @@ from kvfence.protocol.actions import Action, Deliver, Send
 from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
 from kvfence.protocol.messages import Admit, Envelope, Hello, Output
 from kvfence.protocol.router import RouterCore, WorkerInfo
-from kvfence.router.admin import RecentRoutes
+from kvfence.router.admin import RecentRoutes, Route
 from kvfence.safety import Safety
 from kvfence.workers.channel import Channel
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT_S = 5.0  # local deaths are seen sooner: the supervisor watches exit codes
+SUSPECT_S = 2.0  # four heartbeats missed; local deaths are seen sooner: the supervisor watches exit codes
+WORKER_TIMEOUT_S = 15.0  # silent this long, a worker is declared dead (--worker-timeout)
 POLL_S = 0.01  # the inbox is also polled this often, should a wake-up be missed
 
 
 class RemoteEngine:
     def __init__(self, bind: str, model_name: str, max_context: int, safety: Safety, advertise: str | None = None,
                  expected_workers: int = 0, silence_timeout: float = 120.0, cluster_key: ClusterKey | None = None,
-                 policy: QueuePolicy | None = None, limits: DispatchLimits | None = None) -> None:
+                 policy: QueuePolicy | None = None, limits: DispatchLimits | None = None,
+                 worker_timeout: float = WORKER_TIMEOUT_S) -> None:
         """``cluster_key``: only its holders can join (``Channel``); without one, ``bind`` must stay on this host."""
         self.channel = Channel(bind, advertise, Faults.from_env(), cluster_key)
         self.me = self.channel.me
         self.model_name, self.max_context = model_name, max_context
         self.core = RouterCore(self.me, max_context, safety, silence_timeout, policy, limits)
         self.expected_workers = expected_workers
+        self.worker_timeout = worker_timeout
         self._sinks: dict[int, asyncio.Queue] = {}
         self._dispatched: dict[int, float] = {}  # rid -> when it left the queue, until its first output
         self.assigned: dict[str, int] = {}  # requests sent to each worker since start
@@ -87,7 +92,8 @@ class RemoteEngine:
         return {"status": "ok" if ready else "waiting for workers", "mode": "disaggregated",
                 "max_context": self.max_context, "in_flight": len(self.core.reqs), "queued": self.core.queued(),
                 "queued_by_tenant": self.core.queue.lengths(),
-                "transfers_in_flight": self.core.in_handoff(), "workers": workers}
+                "transfers_in_flight": self.core.in_handoff(), "stale_messages": self.core.stale_messages,
+                "workers": workers}
 
     def _worker_health(self, info: WorkerInfo) -> dict:
         h = info.hello
@@ -96,7 +102,8 @@ class RemoteEngine:
                 "free_pages": h.free_pages, "total_pages": h.total_pages, "quarantined_pages": h.quarantined_pages,
                 "quarantine_reasons": h.quarantine_reasons,
                 "running": h.running, "pool_tokens": h.pool_tokens, "max_context": h.max_context,
-                "drained": h.worker in self.core.drained}
+                "drained": h.worker in self.core.drained, "suspected": h.worker in self.core.suspected,
+                "epoch": self.core.epochs.get(h.worker, 0)}
 
     # -- admin ----------------------------------------------------------------------
 
@@ -117,17 +124,18 @@ class RemoteEngine:
             raise KeyError(worker)
         self._do(self.core.set_drained(worker, drained))
 
-    def route(self, rid: int) -> tuple[str, str] | None:
-        """The (prefill, decode) pair a recent request was sent to; ``None`` if it was never sent."""
+    def route(self, rid: int) -> Route | None:
+        """The pair a recent request was sent to last, with the decode worker's epoch; ``None`` if never sent."""
         return self._routes.get(rid)
 
     def _note_route(self, admit: Admit, decode: str) -> None:
         """Count a request just sent against both workers of its pair, and remember the pair and when."""
         for worker in (admit.prefill, decode):
             self.assigned[worker] = self.assigned.get(worker, 0) + 1
-        self._routes.add(admit.rid, admit.prefill, decode)
-        if admit.rid in self._sinks:
-            self._dispatched[admit.rid] = time.monotonic()
+        rid = self.core.reqs[admit.rid].client  # a retry travels under another id
+        self._routes.add(rid, Route(admit.prefill, decode, self.core.epochs.get(decode, 0)))
+        if rid in self._sinks:
+            self._dispatched.setdefault(rid, time.monotonic())
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -150,11 +158,12 @@ class RemoteEngine:
             await asyncio.sleep(0.05)
         return True
 
-    def worker_died(self, worker: str) -> None:
-        """Called by a supervisor that saw the process exit: fail its requests now."""
+    def worker_died(self, worker: str, fenced: bool = False) -> None:
+        """Called by a supervisor that saw the process exit, or (``fenced``) by the watch when a worker has been
+        silent for ``worker_timeout``: end or retry its requests now."""
         self._last_seen.pop(worker, None)
         self.channel.forget(worker)
-        self._do(self.core.worker_down(worker))
+        self._do(self.core.worker_down(worker, fenced))
 
     async def _receive(self) -> None:
         """Handle worker messages as they come: the inbox's file descriptor wakes the loop (ZeroMQ signals it
@@ -180,22 +189,31 @@ class RemoteEngine:
     def _handle(self, envelopes: list[Envelope]) -> None:
         now = time.monotonic()
         for env in envelopes:
-            if isinstance(env.msg, Hello):
-                if env.msg.worker not in self.core.workers:
-                    log.info("%s worker %s joined", env.msg.role, env.msg.worker)
-                self._last_seen[env.msg.worker] = now
-            self._do(self.core.handle(env.sender, env.msg))
+            msg = env.msg
+            joins = isinstance(msg, Hello) and msg.worker not in self.core.workers
+            self._do(self.core.handle(env.sender, msg, env.epoch))
+            if isinstance(msg, Hello) and msg.worker in self.core.workers:  # not a fenced one's
+                if joins:
+                    log.info("%s worker %s joined", msg.role, msg.worker)
+                if msg.worker in self.core.suspected:
+                    log.warning("worker %s speaks again after %.1fs", msg.worker, now - self._last_seen[msg.worker])
+                    self._do(self.core.set_suspected(msg.worker, False))
+                self._last_seen[msg.worker] = now
 
     async def _watch(self) -> None:
-        """Declare silent workers dead, and end requests that heard nothing for too long."""
+        """Suspect quiet workers, declare silent ones dead, and end requests that heard nothing for too long."""
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             self._do(self.core.tick(now))
             for worker, seen in list(self._last_seen.items()):
-                if now - seen > HEARTBEAT_TIMEOUT_S:
-                    log.error("worker %s silent for %.1fs: declaring it dead", worker, now - seen)
-                    self.worker_died(worker)
+                if now - seen > self.worker_timeout:
+                    log.error("worker %s silent for %.1fs: declaring it dead and fencing it", worker, now - seen)
+                    self.worker_died(worker, fenced=True)
+                elif now - seen > SUSPECT_S and worker not in self.core.suspected:
+                    log.warning("worker %s silent for %.1fs: suspected, no new request goes to it", worker,
+                                now - seen)
+                    self._do(self.core.set_suspected(worker, True))
 
     def _do(self, actions: list[Action]) -> None:
         for action in actions:
@@ -214,7 +232,7 @@ def _to_output(action: Deliver) -> RequestOutput:
         return RequestOutput(action.rid, [], "", FinishReason.ERROR, error=action.error)
     o: Output = action.output
     finish = FinishReason(o.finish_reason) if o.finish_reason else None
-    return RequestOutput(o.rid, o.token_ids, o.text, finish, prompt_tokens=o.prompt_tokens,
+    return RequestOutput(action.rid, o.token_ids, o.text, finish, prompt_tokens=o.prompt_tokens,
                          completion_tokens=o.completion_tokens, pages=o.pages, verification=o.verification,
                          preemptions=o.preemptions, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs)
 

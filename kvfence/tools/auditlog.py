@@ -43,6 +43,7 @@ class AuditRecord(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     prefill: str | None = None  # prefill worker id
     decode: str | None = None  # decode worker id
+    decode_epoch: int = 0  # its membership epoch then (moved on each time the router fenced it)
     pages: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (page, epoch) grants it read
     verification: str = VERIFICATION_NA  # "ok", "failed: <reason>", "skipped: tags,checksum off" or "n/a"
     duration_s: float = 0.0

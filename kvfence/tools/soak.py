@@ -9,7 +9,10 @@ byte of some landed KV transfers flipped), and while it runs:
 - some clients disconnect during the KV handoff, others after their first streamed chunk;
 - ``--kills`` times, evenly spread over the requests, a prefill or a decode worker is SIGKILLed, while a
   transfer is in flight if one comes within two seconds; the supervisor restarts it, and no new request is
-  sent until it is back (those in flight when it died must end with a clean error).
+  sent until it is back (those in flight when it died must end with a clean error, or be retried);
+- ``--pauses`` times, between the kills, a decode or a prefill worker is SIGSTOPped for ``--worker-timeout``
+  plus 5 seconds while traffic goes on, then SIGCONTed: the router must suspect it, fence it, and take it back
+  once it has dropped what it held.
 
 Afterwards it checks, and reports as findings:
 
@@ -19,6 +22,9 @@ Afterwards it checks, and reports as findings:
 - ``hung``: a request that got no status within ``--timeout``;
 - ``page leak``: once idle, a worker still holds pages, or quarantines pages without a reason;
 - ``unexpected restart``: a worker process changed that the soak did not kill;
+- ``fencing``: a paused worker was not fenced, did not come back, or a request sent to it before it was
+  fenced still got a 200 after (the audit log's ``decode_epoch`` says which epoch served each request);
+- ``shm leak``: a KV segment in ``/dev/shm`` outlives its server;
 - ``audit``: the audit log does not hold exactly one record per request;
 - ``not serving``: after the faults, plain requests no longer get correct answers.
 
@@ -67,6 +73,8 @@ class SoakSettings:
     max_context: int = 512
     faults: str = DEFAULT_FAULTS
     kills: int = 4  # workers SIGKILLed, alternating prefill and decode
+    pauses: int = 2  # workers SIGSTOPped past the worker timeout, alternating decode and prefill
+    worker_timeout: float = 15.0  # as kvfence serve
     disconnect: float = 0.05  # share of requests whose client leaves mid-handoff, and again mid-stream
     max_tokens: int = 16
     handoff_timeout: float = 30.0  # as kvfence serve
@@ -129,6 +137,7 @@ class Report:
     seconds: float = 0.0
     outcomes: dict = field(default_factory=dict)  # summary counts
     kills: list = field(default_factory=list)
+    pauses: list = field(default_factory=list)
     verification_failures: dict = field(default_factory=dict)  # layer -> count, from /metrics
     pools: dict = field(default_factory=dict)  # worker -> pages after the soak
     canaries_repeated: float = 0.0  # share of canary references that repeat their code
@@ -327,7 +336,7 @@ class Soak:
         s = self.s
         return ["--model", s.model, "--max-context", str(s.max_context),
                 "--tenants", str(self.workdir / "tenants.toml"), "--handoff-timeout", str(s.handoff_timeout),
-                "--audit-log", str(audit_log), *s.serve_args]
+                "--worker-timeout", str(s.worker_timeout), "--audit-log", str(audit_log), *s.serve_args]
 
     def run(self) -> Report:
         started = time.monotonic()
@@ -375,6 +384,7 @@ class Soak:
         if s.unsafe:
             env["KVFENCE_UNSAFE"] = s.unsafe
         say(f"starting a server with KVFENCE_FAULTS={s.faults}" + (f" KVFENCE_UNSAFE={s.unsafe}" if s.unsafe else ""))
+        segments = set(stale_segments())
         server = LocalServer(self.serve_args(audit), env=env, log_path=self.workdir / "soak-serve.log")
         try:
             server.wait_ready(600)
@@ -387,8 +397,11 @@ class Soak:
             answered = sum(o.ended == "answered" for o in outcomes) + self.check_still_serves(server)
             self.report.verification_failures = verification_failures(server)
         finally:
+            for pause in self.report.pauses:  # a failed run may leave one stopped
+                _signal(pause["pid"], signal.SIGCONT)
             server.stop()
         self.check_audit(audit, outcomes, answered)
+        self.check_shm(segments)
 
     async def _traffic(self, server: LocalServer, jobs: list[Job]) -> list[Outcome]:
         import httpx
@@ -406,7 +419,7 @@ class Soak:
                     key = self.keys[job.tenant]
                     outcomes.append(await run_job(client, job, key, self.model_id, s.timeout, self.rng))
 
-            killer = asyncio.create_task(self._kill_workers(client, outcomes, len(jobs), serving))
+            killer = asyncio.create_task(self._inject(client, outcomes, len(jobs), serving))
             progress = asyncio.create_task(self._progress(outcomes, len(jobs)))
             await asyncio.gather(*(one(j) for j in jobs))
             killer.cancel()
@@ -421,37 +434,76 @@ class Soak:
             say(f"  {len(outcomes)}/{total} requests in {time.monotonic() - started:.0f}s: "
                 + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=str)))
 
-    async def _kill_workers(self, client: httpx.AsyncClient, outcomes: list[Outcome], total: int,
-                            serving: asyncio.Event) -> None:
-        """``kills`` times, evenly over the requests: SIGKILL a prefill, then a decode worker, ... mid-transfer
-        when one comes within 2 s; hold new requests until it is back (those in flight then must fail cleanly)."""
-        for k in range(self.s.kills):
-            while len(outcomes) < (k + 1) * total // (self.s.kills + 1):
+    async def _inject(self, client: httpx.AsyncClient, outcomes: list[Outcome], total: int,
+                      serving: asyncio.Event) -> None:
+        """The kills and pauses, one at a time, evenly over the requests (``fault_plan``)."""
+        plan = fault_plan(self.s.kills, self.s.pauses)
+        for i, (what, role) in enumerate(plan):
+            while len(outcomes) < (i + 1) * total // (len(plan) + 1):
                 await asyncio.sleep(0.05)
-            role = ("prefill", "decode")[k % 2]
-            health, deadline = (await client.get("/health", headers=ADMIN)).json(), time.monotonic() + 2
-            while not health.get("transfers_in_flight") and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-                health = (await client.get("/health", headers=ADMIN)).json()
-            victims = [(w, i["pid"]) for w, i in health["workers"].items() if i["role"] == role]
-            if not victims:  # none up at this moment (one died of a fault): pick the next kind
-                continue
-            worker, pid = self.rng.choice(victims)
-            os.kill(pid, signal.SIGKILL)
-            serving.clear()
-            in_flight = health.get("transfers_in_flight", 0)
-            self.report.kills.append({"role": role, "worker": worker, "pid": pid, "transfers_in_flight": in_flight})
-            say(f"  killed {role} worker {worker} (pid {pid}) with {in_flight} transfers in flight")
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-                health = (await client.get("/health", headers=ADMIN)).json()
-                back = health["workers"].get(worker, {}).get("pid") not in (None, pid)
-                if back and health["status"] == "ok":
-                    break
+            if what == "kill":
+                await self._kill(client, role, serving)
             else:
-                self.find("not serving", f"{role} worker {worker} was not back 300s after it was killed")
-            serving.set()
+                await self._pause(client, role)
+
+    async def _pause(self, client: httpx.AsyncClient, role: str) -> None:
+        """SIGSTOP a worker of ``role`` past the worker timeout while traffic goes on, then SIGCONT it; note when the
+        router fenced it (it left the worker table) and when it was back under a new epoch."""
+        health = (await client.get("/health", headers=ADMIN)).json()
+        victims = [(w, i["pid"], i["epoch"]) for w, i in health["workers"].items() if i["role"] == role]
+        if not victims:
+            return
+        worker, pid, epoch = self.rng.choice(victims)
+        pause = {"role": role, "worker": worker, "pid": pid, "epoch": epoch, "fenced_at": None, "back_at": None,
+                 "seconds": self.s.worker_timeout + 5}
+        self.report.pauses.append(pause)
+        say(f"  pausing {role} worker {worker} (pid {pid}) for {pause['seconds']:.0f}s")
+        os.kill(pid, signal.SIGSTOP)
+        resume = time.monotonic() + pause["seconds"]
+        try:
+            while time.monotonic() < resume:
+                await asyncio.sleep(0.2)
+                listed = (await client.get("/health", headers=ADMIN)).json()["workers"]
+                if pause["fenced_at"] is None and worker not in listed:
+                    pause["fenced_at"] = time.time()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            info = (await client.get("/health", headers=ADMIN)).json()["workers"].get(worker)
+            if info is not None and info["epoch"] > epoch:
+                pause["back_at"] = time.time()
+                break
+        say(f"  {role} worker {worker}: " + ("fenced, then back under a new epoch" if pause["back_at"] else
+                                              "not back under a new epoch"))
+
+    async def _kill(self, client: httpx.AsyncClient, role: str, serving: asyncio.Event) -> None:
+        """SIGKILL a worker of ``role``, mid-transfer when one comes within 2 s; hold new requests until it is back
+        (those in flight then must fail cleanly, or be retried)."""
+        health, deadline = (await client.get("/health", headers=ADMIN)).json(), time.monotonic() + 2
+        while not health.get("transfers_in_flight") and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            health = (await client.get("/health", headers=ADMIN)).json()
+        victims = [(w, i["pid"]) for w, i in health["workers"].items() if i["role"] == role]
+        if not victims:  # none up at this moment (one died of a fault): pick the next kind
+            return
+        worker, pid = self.rng.choice(victims)
+        os.kill(pid, signal.SIGKILL)
+        serving.clear()
+        in_flight = health.get("transfers_in_flight", 0)
+        self.report.kills.append({"role": role, "worker": worker, "pid": pid, "transfers_in_flight": in_flight})
+        say(f"  killed {role} worker {worker} (pid {pid}) with {in_flight} transfers in flight")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            health = (await client.get("/health", headers=ADMIN)).json()
+            back = health["workers"].get(worker, {}).get("pid") not in (None, pid)
+            if back and health["status"] == "ok":
+                break
+        else:
+            self.find("not serving", f"{role} worker {worker} was not back 300s after it was killed")
+        serving.set()
 
     # -- checks ----------------------------------------------------------------------------------
 
@@ -555,6 +607,28 @@ class Soak:
             self.find("not serving", f"after the soak only {sum(ok)}/{len(ok)} plain chats came back right")
         return sent
 
+    def check_fencing(self, records: list) -> None:
+        """Each pause fenced its worker and the worker came back; no request sent to a decode worker before it was
+        fenced got its 200 after (that would be output of a fenced epoch reaching a client)."""
+        for p in self.report.pauses:
+            where = f"{p['role']} worker {p['worker']} paused {p['seconds']:.0f}s"
+            if p["fenced_at"] is None or p["back_at"] is None:
+                self.find("fencing", f"{where}: " + ("never fenced" if p["fenced_at"] is None else "never back"))
+                continue
+            if p["role"] != "decode":
+                continue
+            late = [r.rid for r in records if r.decode == p["worker"] and r.decode_epoch <= p["epoch"]
+                    and r.status == 200 and r.time > p["fenced_at"]]
+            if late:
+                self.find("fencing", f"{where}: {len(late)} requests sent to it before its fence got a 200 after, "
+                                     f"e.g. {late[:3]}")
+
+    def check_shm(self, before: set[Path]) -> None:
+        """Once the server has stopped, none of the KV segments it made is left in ``/dev/shm``."""
+        left = sorted(set(stale_segments()) - before)
+        if left:
+            self.find("shm leak", f"{len(left)} KV segments outlive the server: {[str(p) for p in left[:3]]}")
+
     def check_audit(self, path: Path, outcomes: list[Outcome], answered: int) -> None:
         """One record per request: each 200's under its id; in all, one per answered request plus at most one per
         client that left (none if it left before its request reached the server)."""
@@ -569,6 +643,30 @@ class Soak:
                                f"that left; 200s without exactly one record: {missing[:5]}; malformed: {problems[:3]}")
         self.report.outcomes["audit_statuses"] = {str(k): v for k, v in sorted(Counter(r.status for r in records)
                                                                                 .items())}
+        self.check_fencing(records)
+
+
+def fault_plan(kills: int, pauses: int) -> list[tuple[str, str]]:
+    """(``"kill"`` or ``"pause"``, role), interleaved: kills alternate prefill and decode, pauses decode and
+    prefill."""
+    kill = [("kill", ("prefill", "decode")[k % 2]) for k in range(kills)]
+    pause = [("pause", ("decode", "prefill")[k % 2]) for k in range(pauses)]
+    plan = [f for pair in zip(kill, pause, strict=False) for f in pair]
+    return plan + kill[len(plan) // 2:] + pause[len(plan) // 2:]
+
+
+def stale_segments() -> list[Path]:
+    """This user's shm KV segments whose owner is gone."""
+    from kvfence.transfer.shm import DEFAULT_DIR, sweep_stale
+
+    return sweep_stale(DEFAULT_DIR, unlink=False)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def verification_failures(server: LocalServer) -> dict[str, float]:
@@ -590,6 +688,8 @@ def render(report: Report) -> str:
              f"  over-length:   {o.get('over_length')}   clients left: {o.get('client_left')}",
              f"  kills:         {len(report.kills)} "
              f"({sum(1 for k in report.kills if k['transfers_in_flight'])} with transfers in flight)",
+             f"  pauses:        {len(report.pauses)} "
+             f"({sum(1 for p in report.pauses if p['fenced_at'] and p['back_at'])} fenced and back)",
              f"  caught on landing: {report.verification_failures}",
              f"  canary codes repeated by the model alone: {report.canaries_repeated:.0%}"]
     for w, p in report.pools.items():
@@ -617,6 +717,10 @@ def add_soak_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="max_tokens of every request")
     p.add_argument("--faults", default=d.faults, help="KVFENCE_FAULTS for the server under test")
     p.add_argument("--kills", type=int, default=d.kills, help="workers to SIGKILL, evenly over the requests")
+    p.add_argument("--pauses", type=int, default=d.pauses,
+                   help="workers to SIGSTOP for --worker-timeout + 5 s (then SIGCONT), between the kills")
+    p.add_argument("--worker-timeout", type=float, default=d.worker_timeout, metavar="S",
+                   help="the server's --worker-timeout")
     p.add_argument("--disconnect", type=float, default=d.disconnect,
                    help="share of clients that leave mid-handoff (and again, of streams, mid-stream)")
     p.add_argument("--handoff-timeout", type=float, default=d.handoff_timeout, metavar="S",
@@ -633,8 +737,9 @@ def cmd_soak(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_USAGE))  # unwind, so that the servers are stopped
     settings = SoakSettings(args.requests, args.concurrency, args.tenants, args.model, args.max_context, args.faults,
-                            args.kills, args.disconnect, args.max_tokens, args.handoff_timeout, args.timeout,
-                            args.seed, tuple(args.serve_args.split()), os.environ.get("KVFENCE_UNSAFE", ""))
+                            args.kills, args.pauses, args.worker_timeout, args.disconnect, args.max_tokens,
+                            args.handoff_timeout, args.timeout, args.seed, tuple(args.serve_args.split()),
+                            os.environ.get("KVFENCE_UNSAFE", ""))
     if settings.tenants < 2 or settings.requests < 1 or settings.max_tokens < 2:
         print("kvfence soak: needs at least 2 tenants, 1 request and max_tokens 2", file=sys.stderr)
         return EXIT_USAGE

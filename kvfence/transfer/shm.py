@@ -96,10 +96,10 @@ def _open_own(path: str | Path) -> int:
     return fd
 
 
-def sweep_stale(directory: str) -> int:
-    """Unlink this user's segments in ``directory`` whose owner is gone (no one holds their lock); returns how
-    many. Files of other users, or that it cannot remove, are left alone."""
-    swept = 0
+def sweep_stale(directory: str, unlink: bool = True) -> list[Path]:
+    """Unlink this user's segments in ``directory`` whose owner is gone (no one holds their lock); returns them
+    (``unlink`` False: only lists them). Files of other users, or that it cannot remove, are left alone."""
+    swept = []
     for path in Path(directory).glob(f"{PREFIX}*"):
         if path.name.endswith(".tmp"):
             continue
@@ -109,9 +109,10 @@ def sweep_stale(directory: str) -> int:
             continue
         try:
             if _lock(fd):
-                path.unlink(missing_ok=True)
-                swept += 1
-                log.warning("shm: removed stale KV segment %s (its target died)", path)
+                if unlink:
+                    path.unlink(missing_ok=True)
+                    log.warning("shm: removed stale KV segment %s (its target died)", path)
+                swept.append(path)
         except OSError:
             pass
         finally:

@@ -20,6 +20,8 @@ FAULT_HELP = {
     "lose": "a data-plane write reports success but never lands",
     "short": "the prefill runner computes one token fewer than the prompt (an engine bug like the incident's)",
     "corrupt": "a data-plane write lands with corrupted bytes",
+    "fence": "the router declares a live worker dead (paused past --worker-timeout) and fences it; it runs on, "
+             "then learns it was fenced and rejoins",
 }
 DEFAULT_FAULTS = Faults()
 
@@ -31,8 +33,8 @@ def add_verify_parser(sub) -> None:
         description="Explore breadth-first every state that the real router, prefill and decode protocol cores "
                     "can reach in a small configuration, under an environment that reorders, delays, duplicates "
                     "and drops messages, crashes workers, disconnects clients, and lands, fails or loses KV "
-                    "writes in any order. Checks the invariants I1-I6 of DESIGN section 4 in every state and "
-                    "prints a shortest trace to any violation. Exit status: 0 no violation, 1 violation, "
+                    "writes in any order. Checks the invariants I1-I7 (DESIGN section 4; I7: fencing) in every "
+                    "state and prints a shortest trace to any violation. Exit status: 0 no violation, 1 violation, "
                     "2 stopped at --max-states.")
     g = p.add_argument_group("configuration")
     g.add_argument("--requests", default=DEFAULT_REQUESTS,
@@ -72,7 +74,7 @@ def add_verify_parser(sub) -> None:
                    help="skip the graph check that every request can still end from every state")
     e.add_argument("--progress", action="store_true", help="show progress on stderr")
     e.add_argument("--check", default="all", metavar="I1,I6",
-                   help="count only these invariants; all: I1-I6 and E (a core raising)")
+                   help="count only these invariants; all: I1-I7 and E (a core raising)")
     p.set_defaults(func=cmd_verify)
 
 

@@ -69,7 +69,7 @@ def explore(cfg: CheckConfig, max_states: int = 2_000_000, liveness: bool = True
             invariants: frozenset[str] | None = None) -> Result:
     """Explore breadth-first; stop at the first violation (its trace is a shortest one).
 
-    ``invariants`` limits which invariants count (all of I1-I6 and E by default), e.g. to look past
+    ``invariants`` limits which invariants count (all of I1-I7 and E by default), e.g. to look past
     the wrong status of an over-length request for the stale read behind it.
     """
     wanted = frozenset(NAMES) if invariants is None else invariants

@@ -30,6 +30,7 @@ NAMES = {
     "I4": "one ending, nothing hangs",
     "I5": "nothing leaked",
     "I6": "tenant binding",
+    "I7": "fenced epochs are heard no more",
     "E": "a protocol core raised",
 }
 

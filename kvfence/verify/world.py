@@ -35,6 +35,13 @@ What is modelled, and how (docs/protocol.md has the full list):
   back with a fresh core and says Hello.
 - **Clients.** Submit in any order, may disconnect at any step (bounded),
   and record every token and error they receive.
+- **Fencing.** The router may declare a live worker dead (``fence``: it was
+  paused past the worker timeout) and fence it. The worker runs on: its
+  writes may land, and what it sends travels under the epoch it holds. Once
+  unregistered it sends a heartbeat (``heartbeat``); a ``Fenced`` answer makes
+  it drop what it held (``drop_all``) and say Hello under the new epoch.
+  Checked: nothing sent under a fenced epoch reaches a client (I7), pages
+  wait for the fenced writer (I2), and everything ends (I4, I5).
 """
 
 from __future__ import annotations
@@ -57,9 +64,9 @@ from kvfence.kvcache.pages import PageGrant, PageState, PageTable
 from kvfence.protocol.actions import Action, Deliver, Send, StartDecode, StartPrefill, StopDecode, StopPrefill
 from kvfence.protocol.capacity import UNGATED, DispatchLimits, FairQueue, FairShares, QueuePolicy
 from kvfence.protocol.decode import DecodeCore, DecodeLimits, DState
-from kvfence.protocol.messages import ErrorInfo, Hello, Message, Output, Peers, Reject, WorkerDown
+from kvfence.protocol.messages import Envelope, ErrorInfo, Fenced, Hello, Message, Output, Peers, Reject, WorkerDown
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits, PState
-from kvfence.protocol.router import RouterCore
+from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.safety import Safety
 
 ROUTER, PREFILL, DECODE = "router", "prefill-0", "decode-0"
@@ -67,7 +74,7 @@ GHOST_RID, GHOST_TENANT = 99, "carol"  # whoever used the pool before the checke
 TIMED = frozenset({PState.WAIT_DEST, PState.WAIT_PREFILL, DState.WAITING, DState.AWAIT_DONE, DState.ABORTING})
 
 # Events that the environment may choose never to do: a state whose only events are faults is stuck.
-FAULTS = frozenset({"drop", "dup", "crash", "disconnect", "fail", "lose", "short", "corrupt"})
+FAULTS = frozenset({"drop", "dup", "crash", "disconnect", "fail", "lose", "short", "corrupt", "fence"})
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -94,13 +101,14 @@ class Faults:
     lose: int = 1  # a data-plane write reports success but never lands
     short: int = 1  # the prefill runner writes (and reports) one token fewer than the prompt
     corrupt: int = 1  # a data-plane write lands with flipped bytes
+    fence: int = 0  # the router declares a live worker dead (paused past the timeout) and fences it
     total: int = 1  # faults of any kind in one run, at most
 
     def budget(self) -> tuple[int, ...]:
         return tuple(getattr(self, f) for f in FAULT_ORDER)
 
 
-FAULT_ORDER = ("drop", "dup", "crash", "disconnect", "fail", "lose", "short", "corrupt")
+FAULT_ORDER = ("drop", "dup", "crash", "disconnect", "fail", "lose", "short", "corrupt", "fence")
 
 
 def default_requests() -> tuple[RequestSpec, ...]:
@@ -148,7 +156,8 @@ class CheckConfig:
             raise ValueError("request ids must be distinct, non-zero and not the ghost's")
 
     def spec(self, rid: int) -> RequestSpec:
-        return next(r for r in self.requests if r.rid == rid)
+        """The request ``rid`` names: a client's id, or its retry's (``retry_rid``)."""
+        return next(r for r in self.requests if rid in (r.rid, retry_rid(r.rid)))
 
     def over_length(self, spec: RequestSpec) -> bool:
         """Over some role's limit: the client's fault, so it must never get tokens."""
@@ -236,6 +245,7 @@ class PrefillNode:
     inc: int = 0
     down: bool = False
     noticed: bool = True  # the router has handled this worker's death
+    epoch: int = 0  # the membership epoch it holds, stamped on what it sends the router
 
 
 @dataclass
@@ -246,6 +256,7 @@ class DecodeNode:
     inc: int = 0
     down: bool = False
     noticed: bool = True
+    epoch: int = 0
 
 
 class PlaneVerifier:
@@ -299,7 +310,7 @@ class Violation:
 Event = tuple  # ("deliver", (sender, receiver), index), ("land", "run", Write), ("tick",), ...
 
 # Which core each kind of event may change (the rest change no core); see World.apply.
-_TOUCHES_ROUTER = frozenset({"submit", "disconnect", "notice"})
+_TOUCHES_ROUTER = frozenset({"submit", "disconnect", "notice", "fence"})
 _TOUCHES_WORKER = frozenset({"timeout", "crash", "restart"})
 
 
@@ -308,7 +319,7 @@ def _writes_to(ev: Event) -> tuple[str, ...]:
     kind = ev[0]
     if kind in ("submit", "disconnect"):
         return (ROUTER,)
-    if kind == "notice":
+    if kind in ("notice", "fence"):
         return (ROUTER, ev[1])
     if kind == "deliver":
         return (ev[1][1],)
@@ -318,7 +329,7 @@ def _writes_to(ev: Event) -> tuple[str, ...]:
         return (PREFILL,)
     if kind == "step":
         return (DECODE,)
-    if kind in ("timeout", "crash", "restart"):
+    if kind in ("timeout", "crash", "restart", "heartbeat"):
         return (ev[1],)
     return ()
 
@@ -420,10 +431,10 @@ class World:
             self._core_key(ROUTER),
             self._core_key(PREFILL),
             self._core_key(DECODE),
-            (p.inc, p.down, p.noticed, tuple(sorted(p.decodes.items())),
+            (p.inc, p.down, p.noticed, p.epoch, tuple(sorted(p.decodes.items())),
              tuple(sorted((rid, r.tokens, tuple(map(_wkey, r.pending)), r.last_page, r.stopped, r.failed, r.short)
                           for rid, r in p.runs.items()))),
-            (d.inc, d.down, d.noticed, tuple(map(_lkey, d.plane)),
+            (d.inc, d.down, d.noticed, d.epoch, tuple(map(_lkey, d.plane)),
              tuple(sorted((rid, tuple((g.page, g.epoch) for g in s.grants), s.produced)
                           for rid, s in d.engine.items()))),
             tuple(net),
@@ -478,6 +489,8 @@ class World:
                 evs.append(("notice", worker))
             if node.down and (node.noticed or self.cfg.quick_restart):
                 evs.append(("restart", worker))
+            if self._fenced_and_silent(worker):
+                evs.append(("heartbeat", worker))
         if self._next_deadline() is not None:
             evs.append(("tick",))
         evs += self._fault_events()
@@ -512,7 +525,17 @@ class World:
             for worker in self.cfg.crash_roles:
                 if not self._node(worker).down:
                     evs.append(("crash", worker))
+        if left["fence"] and self.busy():
+            for worker in (PREFILL, DECODE):
+                if worker in self.router.workers:
+                    evs.append(("fence", worker))
         return evs
+
+    def _fenced_and_silent(self, worker: str) -> bool:
+        """Live, unknown to the router, and with nothing on its way between them: its next heartbeat is due (one
+        at a time, so that heartbeats do not pile up)."""
+        return (not self._node(worker).down and worker not in self.router.workers
+                and (worker, ROUTER) not in self.net and (ROUTER, worker) not in self.net)
 
     def _deliverable(self) -> Iterator[tuple[tuple[str, str], int, Message]]:
         for chan, queue in sorted(self.net.items()):
@@ -564,6 +587,7 @@ class World:
         p, d = self.prefill, self.decode
         return (all(c.submitted and (c.ended or c.gone) for c in self.clients.values())
                 and not self.router.reqs and not p.down and not d.down and not p.core.reqs and not p.runs
+                and PREFILL in self.router.workers and DECODE in self.router.workers
                 and not d.core.reqs and not d.core.waiting and not d.engine and not self.zombies and not self.net)
 
     # -- making it happen ---------------------------------------------------------------------
@@ -609,7 +633,10 @@ class World:
         src, dst = chan
         self._note(lambda: f"{dst} receives {self._fmt(msg)} from {src}")
         if dst == ROUTER:
-            self._router_receive(src, msg)
+            epoch = msg.epoch if isinstance(msg, Envelope) else 0
+            self._router_receive(src, msg.msg if isinstance(msg, Envelope) else msg, epoch)
+        elif isinstance(msg, Fenced):
+            self._rejoin(dst, msg)
         elif dst == PREFILL:
             node = self.prefill
             if isinstance(msg, Peers):
@@ -622,7 +649,7 @@ class World:
         else:
             core = self.decode.core
             if isinstance(msg, WorkerDown):
-                self._decode_do(core.peer_down(msg.worker, self.now))
+                self._decode_do(core.peer_down(msg.worker, self.now, msg.fenced))
             else:
                 self._decode_do(core.handle(src, msg, self.now))
 
@@ -750,7 +777,7 @@ class World:
             if worker == PREFILL:
                 self.zombies = ()
             self._note(lambda: f"(the router never notices that {worker} died)")
-        node.down, node.inc = False, node.inc + 1
+        node.down, node.inc, node.epoch = False, node.inc + 1, 0  # a new process holds no epoch yet
         if worker == PREFILL:
             node.core, node.decodes, node.runs = self._new_prefill_core(), {}, {}
         else:
@@ -758,14 +785,44 @@ class World:
         self._note(lambda: f"{worker} restarts (incarnation {node.inc}) with a fresh core and says Hello")
         self._send(worker, ROUTER, self._hello(worker))
 
+    def _ev_fence(self, worker: str) -> None:
+        self.net.pop((ROUTER, worker), None)  # the router drops its outbox to the worker it declared dead
+        self.wire.pop((ROUTER, worker), None)
+        self._note(lambda: f"router declares {worker} dead (it was paused past the worker timeout) and fences it; "
+                           "it runs on")
+        self._router_do(self.router.worker_down(worker, fenced=True))
+
+    def _ev_heartbeat(self, worker: str) -> None:
+        self._note(lambda: f"{worker} sends a heartbeat")
+        self._send(worker, ROUTER, self._hello(worker))
+
+    def _rejoin(self, worker: str, fenced: Fenced) -> None:
+        """As ``WorkerBase.rejoin``: drop everything held, then say Hello under the new epoch."""
+        node = self._node(worker)
+        if fenced.epoch <= node.epoch:
+            return
+        self._note(lambda: f"{worker} learns it was fenced: drops what it holds, rejoins under epoch {fenced.epoch}")
+        if worker == PREFILL:
+            self._prefill_do(node.core.drop_all())
+        else:
+            self._decode_do(node.core.drop_all(self.now))
+        node.epoch = fenced.epoch
+        self._send(worker, ROUTER, self._hello(worker))
+
     # -- carrying out actions, as the worker loops do ----------------------------------------
 
-    def _router_receive(self, src: str, msg: Message) -> None:
+    def _router_receive(self, src: str, msg: Message, epoch: int = 0) -> None:
         if isinstance(msg, Reject):
-            client = self.clients.get(msg.rid)
-            if client is not None and not client.ended and not client.gone and client.rejected_by is None:
-                self.clients[msg.rid] = client._replace(rejected_by=src, rejected_status=msg.error.status)
-        self._router_do(self.router.handle(src, msg))
+            rid = self.cfg.spec(msg.rid).rid
+            client = self.clients.get(rid)
+            current = msg.rid in self.router.reqs  # not a Reject of an attempt the router already gave up
+            if current and client is not None and not client.ended and not client.gone and client.rejected_by is None:
+                self.clients[rid] = client._replace(rejected_by=src, rejected_status=msg.error.status)
+        stale = epoch < self.router.epochs.get(src, 0)
+        actions = self.router.handle(src, msg, epoch)
+        if stale and any(isinstance(a, Deliver) for a in actions):
+            self._violate("I7", f"the router delivered to a client what {src} sent under its fenced epoch {epoch}")
+        self._router_do(actions)
 
     def _router_do(self, actions: list[Action]) -> None:
         for a in actions:
@@ -849,6 +906,8 @@ class World:
 
     def _send(self, src: str, dst: str, msg: Message) -> None:
         self._note(lambda: f"  {src} -> {dst}: {self._fmt(msg)}")
+        if dst == ROUTER and self._node(src).epoch:
+            msg = Envelope(src, msg, self._node(src).epoch)  # stamped, as a channel does
         chan = (src, dst)
         self.net[chan] = self.net.get(chan, ()) + (msg,)
         self.wire[chan] = self.wire.get(chan, ()) + (_enc(msg),)
@@ -949,13 +1008,19 @@ class World:
         if self.log is not None:
             self.log.append(line())
 
-    def _fmt(self, msg: Message) -> str:
-        return fmt(msg, {r.rid: r.name for r in self.cfg.requests} | {GHOST_RID: "ghost"})
+    def _fmt(self, msg: Message | Envelope) -> str:
+        if isinstance(msg, Envelope):
+            return f"{self._fmt(msg.msg)} (epoch {msg.epoch})"
+        return fmt(msg, {r.rid: r.name for r in self.cfg.requests} | {retry_rid(r.rid): r.name + "'" for r in
+                                                                        self.cfg.requests} | {GHOST_RID: "ghost"})
 
     def _name(self, rid: int) -> str:
         if rid == GHOST_RID:
             return "ghost"
-        return next((r.name for r in self.cfg.requests if r.rid == rid), str(rid))
+        for r in self.cfg.requests:
+            if rid in (r.rid, retry_rid(r.rid)):
+                return r.name + ("" if rid == r.rid else "'")  # A' is A's retry
+        return str(rid)
 
     def _writer(self, label: Label) -> str:
         if label.rid == 0:
@@ -971,7 +1036,7 @@ class World:
             return 0
         if rid == GHOST_RID:
             return 1 << len(self.cfg.requests)
-        return 1 << next(i for i, r in enumerate(self.cfg.requests) if r.rid == rid)
+        return 1 << next(i for i, r in enumerate(self.cfg.requests) if rid in (r.rid, retry_rid(r.rid)))
 
     def _tenant_of_bit(self, bit: int) -> str:
         if bit == len(self.cfg.requests):
@@ -1012,7 +1077,8 @@ def _lkey(label: Label) -> tuple:
 
 _enc = msgspec.json.Encoder().encode
 _ATOMS = (int, str, bool, float, bytes, type(None))
-_SKIP = frozenset({"me", "router", "limits", "safety", "verify", "emulate_incident", "max_context", "num_pages"})
+_SKIP = frozenset({"me", "router", "limits", "safety", "verify", "emulate_incident", "max_context", "num_pages",
+                   "request", "stale_messages"})
 
 
 def canon(obj, now: int):
@@ -1130,8 +1196,11 @@ def _copy_router(core: RouterCore) -> RouterCore:
     new.workers = {k: _copy_obj(v) for k, v in core.workers.items()}
     new.queue = _copy_queue(core.queue)
     new.drained, new.absent_since = set(core.drained), dict(core.absent_since)
+    new.suspected, new.epochs, new.fenced, new.retried = (set(core.suspected), dict(core.epochs), dict(core.fenced),
+                                                          set(core.retried))
     _copy_extra(core, new, ("me", "max_context", "safety", "reqs", "workers", "queue", "drained", "absent_since",
-                            "limits", "silence_timeout"))
+                            "limits", "silence_timeout", "suspected", "epochs", "fenced", "retried",
+                            "stale_messages"))
     return new
 
 

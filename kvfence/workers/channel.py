@@ -64,13 +64,14 @@ class Channel:
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.num_bad = 0
+        self.epoch = 0  # this process's membership epoch, stamped on everything it sends (``Fenced``)
         self.fault_link = FaultyLink(faults, self.me) if faults else None
         if faults:
             log.warning("KVFENCE_FAULTS: %s injects faults (%s)", self.me, faults.describe())
 
     def send(self, to: str, msg: Message) -> None:
         """Queue ``msg`` for ``to``; never blocks (a full or dead peer drops it)."""
-        data = encode_message(self.me, msg)
+        data = encode_message(self.me, msg, self.epoch)
         if self.fault_link is None:
             self._push(to, data)
             return

@@ -2,7 +2,9 @@
 
 The loop is the only place that touches sockets: it feeds received messages
 and timer ticks to the worker's protocol core, runs engine steps, and
-carries out the actions that come back.
+carries out the actions that come back. A ``Fenced`` from the router (it
+declared this worker dead while it was paused or stuck) makes the worker drop
+every request it holds and say Hello again under the new epoch.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from kvfence.kvcache.layout import KVLayout
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import kernels
 from kvfence.protocol.actions import Action, Send
-from kvfence.protocol.messages import Hello, Message, encode_message
+from kvfence.protocol.messages import Fenced, Hello, Message, encode_message
 from kvfence.safety import Safety
 from kvfence.workers.channel import Channel, HandshakeWatch, connect_push
 from kvfence.workers.settings import WorkerSettings
@@ -106,6 +108,22 @@ class WorkerBase:
     def step(self, now: float) -> list[Action]:
         raise NotImplementedError
 
+    def drop_all(self, now: float) -> list[Action]:
+        """End every request held, telling no client (the router ended them); pages go back under L6."""
+        raise NotImplementedError
+
+    def rejoin(self, fenced: Fenced, now: float) -> list[Action]:
+        """The router declared this worker dead under its current epoch: drop everything held, then say Hello under
+        ``fenced.epoch`` (a repeat for an epoch already left is ignored)."""
+        if fenced.epoch <= self.channel.epoch:
+            return []
+        actions = self.drop_all(now)
+        log.warning("%s worker %s: the router moved its membership epoch on (it declared this worker dead, or this "
+                    "process replaces one that died): dropped every request held, joining under epoch %d", self.role,
+                    self.me, fenced.epoch)
+        self.channel.epoch = fenced.epoch
+        return actions + [Send(self.settings.router, self.hello())]  # the heartbeat would, within HEARTBEAT_S
+
     def tick(self, now: float) -> list[Action]:
         raise NotImplementedError
 
@@ -150,7 +168,9 @@ class WorkerBase:
             now = clock()
             busy = self.has_work()
             for env in self.channel.receive(0 if busy else int(TICK_S * 1000)):
-                self._do(self.on_message(env.sender, env.msg, now), now)
+                msg = env.msg
+                self._do(self.rejoin(msg, now) if isinstance(msg, Fenced) else self.on_message(env.sender, msg, now),
+                         now)
             if self.has_work():
                 self._do(self.step(now), now)
                 idle_since = None
@@ -177,7 +197,7 @@ class WorkerBase:
         while True:
             watch.check()
             try:
-                sock.send(encode_message(self.me, self._latest_hello), zmq.NOBLOCK)
+                sock.send(encode_message(self.me, self._latest_hello, self.channel.epoch), zmq.NOBLOCK)
             except zmq.Again:
                 pass
             time.sleep(HEARTBEAT_S)

@@ -66,7 +66,7 @@ class DecodeWorker(WorkerBase):
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, WorkerDown):
-            return self.core.peer_down(msg.worker, now)
+            return self.core.peer_down(msg.worker, now, msg.fenced)
         return self.core.handle(sender, msg, now)
 
     def step(self, now: float) -> list[Action]:
@@ -81,6 +81,9 @@ class DecodeWorker(WorkerBase):
 
     def tick(self, now: float) -> list[Action]:
         return self.core.tick(now)
+
+    def drop_all(self, now: float) -> list[Action]:
+        return self.core.drop_all(now)
 
     def execute(self, action: Action, now: float) -> list[Action]:
         if isinstance(action, StartDecode):

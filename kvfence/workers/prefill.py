@@ -242,6 +242,9 @@ class PrefillWorker(WorkerBase):
     def tick(self, now: float) -> list[Action]:
         return self.core.tick(now) + self.collect()
 
+    def drop_all(self, now: float) -> list[Action]:
+        return self.core.drop_all()
+
     def execute(self, action: Action, now: float) -> list[Action]:
         if isinstance(action, StartPrefill):
             return self._start(action)

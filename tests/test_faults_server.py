@@ -1,0 +1,153 @@
+"""Faults through real processes (issue 19): a killed prefill worker spares the streams whose KV has landed; a
+paused worker is suspected, then fenced, and when it resumes it drops what it held and serves again; a request with
+no token yet is retried on another pair. The cores alone: tests/test_fencing.py.
+"""
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import openai
+import pytest
+
+from tests.server import Server
+from tests.tiny_models import tiny_model_dir
+
+COMMON = ("--max-context", "4096", "--kv-pool-tokens", "16384")
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_model_dir("llama"))
+
+
+def serve(model: str, prefill: int, decode: int, *args: str, slow_step: float = 0.01) -> Server:
+    """Decode steps paced (KVFENCE_FAULTS slow_step) so that streams outlive a kill or a pause."""
+    return Server("--model", model, "--prefill", str(prefill), "--decode", str(decode), *COMMON, *args, admin=True,
+                  env={"KVFENCE_FAULTS": f"slow_step={slow_step}"})
+
+
+def workers(server: Server, role: str) -> dict[str, dict]:
+    return {w: info for w, info in server.health()["workers"].items() if info["role"] == role}
+
+
+def wait_for(what: str, ready: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for: {what}")
+        time.sleep(0.2)
+
+
+async def stream(client: openai.AsyncOpenAI, i: int, max_tokens: int, started: set[int]) -> tuple[object, int]:
+    """(``"finished"`` or the error, tokens received)."""
+    tokens = 0
+    try:
+        out = await client.completions.create(model="llama", prompt=f"story {i}", max_tokens=max_tokens,
+                                              stream=True, extra_body={"ignore_eos": True})
+        async for chunk in out:
+            tokens += len(chunk.choices[0].text) > 0 if chunk.choices else 0
+            started.add(i)
+        return "finished", tokens
+    except openai.APIError as exc:
+        return exc, tokens
+
+
+def completion(server: Server, prompt: str) -> str:
+    reply = server.client(timeout=60).completions.create(model="llama", prompt=prompt, max_tokens=8, temperature=0,
+                                                         extra_body={"ignore_eos": True})
+    return reply.choices[0].text
+
+
+def test_a_killed_prefill_worker_spares_the_streams_whose_kv_has_landed(model):
+    """Before: killing the prefill worker failed every request it had ever handed off, streams included."""
+    with serve(model, 1, 1) as server:
+        [(prefill, info)] = workers(server, "prefill").items()
+        started: set[int] = set()
+
+        async def run():
+            async with server.async_client(timeout=120) as client:
+                tasks = [asyncio.create_task(stream(client, i, 300, started)) for i in range(4)]
+                while len(started) < len(tasks):
+                    assert not any(t.done() for t in tasks), "a stream ended before all had started"
+                    await asyncio.sleep(0.02)
+                os.kill(info["pid"], signal.SIGKILL)
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(run())
+        assert [outcome for outcome, _ in results] == ["finished"] * 4
+        wait_for("the prefill worker's restart", lambda: workers(server, "prefill").get(prefill, {}).get("pid")
+                 not in (None, info["pid"]))
+        assert completion(server, "after the crash")
+
+
+def test_a_request_on_a_paused_prefill_worker_is_retried_on_another_and_the_worker_comes_back_clean(model):
+    """The paused prefill worker holds a request with no token yet: once it is declared dead the request goes to the
+    other prefill worker and succeeds. Resumed, the worker learns it was fenced, stops, answers decode for the pages
+    it was given (decode kept them quarantined meanwhile, L6) and rejoins under epoch 1."""
+    with serve(model, 2, 1, "--worker-timeout", "5") as server:
+        prefills = workers(server, "prefill")
+        paused = min(prefills)  # both idle: the router picks the lowest id first
+        os.kill(prefills[paused]["pid"], signal.SIGSTOP)
+        try:
+            assert completion(server, "who answers this?")
+            after = server.health()
+            assert after["workers"].get(paused) is None  # declared dead
+            assert all(info["assigned"] == 1 for info in workers(server, "prefill").values())
+            [decode] = workers(server, "decode").values()
+            assert decode["assigned"] == 2  # the first attempt and the retry
+        finally:
+            os.kill(prefills[paused]["pid"], signal.SIGCONT)
+        wait_for("the paused worker to rejoin", lambda: workers(server, "prefill").get(paused, {}).get("epoch") == 1)
+        assert workers(server, "prefill")[paused]["pid"] == prefills[paused]["pid"]  # the same process, fenced
+        wait_for("decode to free what it kept for the fenced writer",
+                 lambda: next(iter(workers(server, "decode").values()))["quarantined_pages"] == 0)
+        assert all(completion(server, f"again {i}") for i in range(3))
+        assert server.health()["stale_messages"] > 0
+
+
+def test_a_paused_decode_worker_is_suspected_then_fenced_and_never_streams_for_its_old_clients(model):
+    """Before: the router declared a paused decode worker dead after 5 s, and after SIGCONT it kept decoding the
+    requests it had held (their clients long gone) while new requests waited behind them."""
+    with serve(model, 1, 2, "--worker-timeout", "6", slow_step=0.02) as server:
+        started: set[int] = set()
+        victim: dict[str, object] = {}
+
+        async def run():
+            async with server.async_client(timeout=120) as client:
+                tasks = [asyncio.create_task(stream(client, i, 1500, started)) for i in range(6)]
+                while len(started) < len(tasks):
+                    assert not any(t.done() for t in tasks), "a stream ended before all had started"
+                    await asyncio.sleep(0.02)
+                decodes = await asyncio.to_thread(workers, server, "decode")
+                victim["id"] = max(decodes, key=lambda w: decodes[w]["in_flight"])
+                victim["pid"] = decodes[victim["id"]]["pid"]
+                os.kill(victim["pid"], signal.SIGSTOP)
+                await asyncio.to_thread(wait_for, "suspicion",
+                                        lambda: workers(server, "decode")[victim["id"]]["suspected"], 10)
+                victim["meanwhile"] = await asyncio.to_thread(completion, server, "while it is quiet")
+                return await asyncio.gather(*tasks)
+
+        try:
+            results = asyncio.run(run())
+        finally:
+            os.kill(victim["pid"], signal.SIGCONT)
+        assert victim["meanwhile"]  # the suspected worker got no new request; the other served it
+        failed = [err for err, _ in results if err != "finished"]
+        assert failed, "some streams were on the paused worker"
+        assert all(isinstance(err, openai.APIError) and "died" in str(err) for err in failed), failed
+        wait_for("the paused worker to rejoin", lambda: workers(server, "decode").get(victim["id"], {}).get("epoch")
+                 == 1, 30)
+        back = workers(server, "decode")[victim["id"]]
+        assert back["pid"] == victim["pid"]
+        # It dropped the requests it held: nothing runs there and its pages came back, long before the 1,500-token
+        # streams could have ended (~30 s at 20 ms a step).
+        wait_for("the fenced worker's pages", lambda: (lambda d: d["running"] == 0
+                 and d["free_pages"] == d["total_pages"])(workers(server, "decode")[victim["id"]]), 10)
+        assert server.health()["stale_messages"] > 0  # what it sent under its old epoch was dropped
+        before = back["assigned"]
+        for i in range(4):
+            assert completion(server, f"after {i}")
+        assert workers(server, "decode")[victim["id"]]["assigned"] > before  # it serves again
