@@ -77,11 +77,14 @@ async def _flood_and_chat(bob: openai.AsyncOpenAI, alice: openai.AsyncOpenAI) ->
 
     floods = [asyncio.create_task(flood(150 + 25 * (i % 5))) for i in range(FLOOD_STREAMS)]  # ends spread out
     await asyncio.sleep(queue_formed - time.monotonic())
-    for i in range(10):
+    deadline = time.monotonic() + 60
+    i = 0  # ten chats of alice's, and on until bob has eight first tokens (a fast host serves alice quickly)
+    while i < 10 or (len(bob_ttft) < 8 and time.monotonic() < deadline):
         try:
             alice_ttft.append(await first_token_time(alice, model, f"Say hello number {i}.", 4))
         except openai.APIStatusError as e:
             errors.append(e.status_code)
+        i += 1
         await asyncio.sleep(0.5)
     for task in floods:  # bob's clients leave, queued or streaming
         task.cancel()
@@ -97,7 +100,7 @@ def test_a_flooding_tenant_does_not_queue_another_tenant_behind_it(tmp_path, sch
                 "--tenants", str(tenants), "--scheduling", scheduling) as server:
         bob, alice, errors = asyncio.run(flood_and_chat(server))
     assert errors == []  # overload queues: no 503, and no 429 without quotas
-    assert len(alice) == 10 and len(bob) >= 8
+    assert len(alice) >= 10 and len(bob) >= 8
     alice_median, bob_median = statistics.median(alice), statistics.median(bob)
     assert alice_median < 0.4 * bob_median, (alice, bob)  # fcfs: about 1.2x
 
