@@ -107,8 +107,16 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                    help="serve /docs, /redoc and /openapi.json (otherwise 404): they map the whole API, /admin too")
 
 
+def add_scheduling_arg(p, meaning: str) -> None:
+    from kvfence.protocol.capacity import SCHEDULING
+
+    p.add_argument("--scheduling", choices=SCHEDULING, default="fair",
+                   help=f"{meaning}: fair (weighted fair queuing on tokens across tenants) or fcfs (first come, "
+                        "first served; for comparison)")
+
+
 def add_capacity_args(p: argparse.ArgumentParser) -> None:
-    from kvfence.protocol.capacity import SCHEDULING, DispatchLimits, QueuePolicy
+    from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
     from kvfence.router.limits import positive_seconds
 
     policy, limits = QueuePolicy(), DispatchLimits()
@@ -118,9 +126,8 @@ def add_capacity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=positive_int, default=policy.max_queued_requests, metavar="N",
                    help="requests waiting for a worker, all tenants together; once N wait, a tenant holding an "
                         "equal share of them or more gets 429 (others may still queue, up to 2N in all)")
-    g.add_argument("--scheduling", choices=SCHEDULING, default=policy.scheduling,
-                   help="order requests leave the queue in: fair (weighted fair queuing on tokens across tenants) "
-                        "or fcfs (first come, first served; for comparison)")
+    add_scheduling_arg(g, "order requests leave the queue in, and (serve) local workers grant pages, admit and "
+                          "preempt in")
     g.add_argument("--max-prefill-backlog-tokens", type=positive_int, default=limits.prefill_backlog_tokens,
                    metavar="N", help="a prefill worker gets another prompt only while the prompt tokens it has not "
                                      "yet handed to decode are fewer than N, so a newcomer never waits behind a "
@@ -238,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_args(w)
         add_pool_args(w, per_role=False)
         add_timeout_args(w)
+        add_scheduling_arg(w, "order this worker serves its tenants' work in (as the router's --scheduling)")
         w.set_defaults(func=cmd_worker, role=role)
     key = sub.add_parser("cluster-key", formatter_class=fmt, help="write a new cluster key (multi-host)",
                          description="Write a new random cluster secret to FILE (mode 0600). Copy it to every host "
@@ -411,7 +419,7 @@ def serve_colocated(args: argparse.Namespace) -> int:
     refuse_to_start_unless_fits("colocated", pool, args.page_size, max_context)
     config = EngineConfig(max_context=max_context, kv_pool_tokens=pool,
                           page_size=args.page_size, max_batch=args.max_batch, chunk_size=args.chunk_size,
-                          step_tokens=args.step_tokens)
+                          step_tokens=args.step_tokens, fair=args.scheduling == "fair")
     engine = Engine(loaded.model, loaded.tokenizer, config, dtype_of(args), args.device)
     freeze_loaded_objects()
     log.info("colocated engine: KV pool %d tokens (%d pages of %d, %.0f MiB)", config.num_pages * config.page_size,
@@ -526,7 +534,7 @@ def worker_settings(args, role: str, bind: str, router: str, max_context: int, p
         max_batch=args.max_batch, transfer=args.transfer, advertise=advertise,
         emulate_incident=getattr(args, "emulate_incident", False),
         threads=args.threads if threads is None else threads, solo_threads=solo_threads, log_level=args.log_level,
-        handoff_timeout=args.handoff_timeout, cluster_key=key)
+        handoff_timeout=args.handoff_timeout, scheduling=args.scheduling, cluster_key=key)
 
 
 def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int, tenants,

@@ -48,6 +48,7 @@ class EngineConfig:
     max_batch: int = 64  # running requests at most
     chunk_size: int = 512  # prefill chunk; chunk boundaries are fixed per request
     step_tokens: int = 512  # prefill tokens at most per step (budget, whole chunks)
+    fair: bool = True  # tenants' fair share orders admissions and preemption (False: first come, first served)
 
     @property
     def num_pages(self) -> int:

@@ -13,9 +13,9 @@ from kvfence.model.loader import load_model
 from tests.tiny_models import tiny_model_dir
 
 
-def make(pool_tokens=64, page=4, chunk=8, step=16, batch=8):
+def make(pool_tokens=64, page=4, chunk=8, step=16, batch=8, fair=True):
     cfg = EngineConfig(max_context=64, kv_pool_tokens=pool_tokens, page_size=page, chunk_size=chunk,
-                       step_tokens=step, max_batch=batch)
+                       step_tokens=step, max_batch=batch, fair=fair)
     return Scheduler(cfg, PageTable(cfg.num_pages))
 
 
@@ -147,6 +147,28 @@ def test_admission_follows_the_share_and_weights_divide_the_charge():
         for x in [x for x in s.running if not x.in_prefill]:
             s.remove(x)
     assert order == [1, 11, 12, 2, 13, 3]
+
+
+def test_fcfs_admits_in_arrival_order_whatever_the_shares():
+    """--scheduling fcfs, the baseline fair sharing is measured against: the same waiting requests as above go
+    in the order they came, and the newest request is the one preempted."""
+    s = make(pool_tokens=256, page=4, chunk=8, step=8, batch=16, fair=False)
+    for rid in range(1, 4):
+        s.add(seq(8, rid=rid, tenant="bob"))
+    for rid in range(11, 14):
+        s.add(seq(8, rid=rid, tenant="carol", weight=2.0))
+    order = []
+    for _ in range(6):
+        order += [rid for rid, _, _ in run(s)]
+        for x in [x for x in s.running if not x.in_prefill]:
+            s.remove(x)
+    assert order == [1, 2, 3, 11, 12, 13]
+    dry = make(pool_tokens=48, page=4, chunk=8, step=64, batch=8, fair=False)
+    bob, alice = [seq(4, rid=r, tenant="bob") for r in (1, 2, 3)], seq(4, rid=4, tenant="alice")
+    fill(dry, *bob, alice)
+    while not dry.num_preempted:
+        run(dry)
+    assert alice.preemptions == 1  # the newest, though bob was served three times her tokens
 
 
 def fill(s: Scheduler, *seqs: Sequence) -> None:

@@ -103,7 +103,7 @@ class Scheduler:
         self.pages = pages
         self.waiting: list[Sequence] = []  # taken in fair order (``_key``)
         self.running: list[Sequence] = []  # in admission order
-        self.shares = FairShares()
+        self.shares = FairShares(config.fair)
         self.arrivals = 0
         self.num_preempted = 0
 

@@ -109,14 +109,18 @@ class FairShares:
 
     A tenant's counter grows by the tokens it is served divided by its weight; the smallest counter goes next.
     ``resume`` a tenant whose work starts again after none was waiting or running: it restarts from at least
-    the counter the latest start began at, so idling banks no credit.
+    the counter the latest start began at, so idling banks no credit. Not ``fair`` (``--scheduling fcfs``),
+    every counter stays 0, so the oldest work goes first, whoever's it is.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fair: bool = True) -> None:
+        self.fair = fair
         self.served: dict[str, float] = {}  # tenant -> tokens served / weight
         self.virtual_time = 0.0  # the counter the latest start began at
 
     def counter(self, tenant: str) -> float:
+        if not self.fair:
+            return 0.0
         return self.served.get(tenant, self.virtual_time)
 
     def resume(self, tenant: str) -> None:

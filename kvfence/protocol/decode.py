@@ -94,6 +94,7 @@ class DecodeLimits:
     handoff_timeout: float = 30.0  # pages granted -> Done, restarted by each Progress
     abort_timeout: float = 10.0  # Abort -> AbortAck; then quarantine
     page_wait_timeout: float = 120.0  # Admit -> pages granted
+    fair: bool = True  # pages go in tenants' fair order (False: first come, first served)
 
 
 class DecodeCore:
@@ -103,7 +104,7 @@ class DecodeCore:
         self.verify = verify
         self.reqs: dict[int, DecodeReq] = {}
         self.waiting: list[int] = []  # rids WAITING, in arrival order; granted in fair order
-        self.shares = FairShares()
+        self.shares = FairShares(limits.fair)
         self.held: dict[int, tuple[str, list[int]]] = {}  # rid -> (writer, pages) quarantined until the writer speaks
 
     @property

@@ -79,7 +79,8 @@ class WorkerBase:
     def engine_config(self, pool_tokens: int) -> EngineConfig:
         s = self.settings
         return EngineConfig(max_context=s.max_context, kv_pool_tokens=pool_tokens, page_size=s.page_size,
-                            max_batch=s.max_batch, chunk_size=s.chunk_size, step_tokens=s.step_tokens)
+                            max_batch=s.max_batch, chunk_size=s.chunk_size, step_tokens=s.step_tokens,
+                            fair=s.scheduling == "fair")
 
     def set_threads(self, other_role_idle: bool) -> None:
         """With ``solo_threads``, the worker computes on that many threads while the other role idles, else on its

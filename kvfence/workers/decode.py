@@ -39,7 +39,7 @@ class DecodeWorker(WorkerBase):
                               self.dtype, pool=pool, safety=self.safety, remote_writes=True)
         timeout = settings.handoff_timeout
         limits = DecodeLimits(settings.max_context, settings.page_size, timeout, abort_timeout=min(10.0, timeout / 3),
-                              page_wait_timeout=settings.wait_timeout)
+                              page_wait_timeout=settings.wait_timeout, fair=settings.scheduling == "fair")
         self.core = DecodeCore(self.me, settings.router, self._engine.pages, limits, self.safety, self._verify)
         self.verified: dict[int, str] = {}  # rid -> how its landing was verified, for its last Output
         self.flip_random = self.faults.rng("flip") if self.faults and self.faults.flip else None

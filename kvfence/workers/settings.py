@@ -32,6 +32,7 @@ class WorkerSettings:
     solo_threads: int = 0  # threads when the other role idles (decode: no prefill pending; prefill: idle_pair)
     log_level: str = "INFO"
     handoff_timeout: float = 30.0  # a handoff (pages granted -> Done) may go this long without progress
+    scheduling: str = "fair"  # "fair": tenants' fair share orders the work; "fcfs": arrival order
     cluster_key: ClusterKey | None = None  # membership (cluster.py); crosses the spawn in the pickle, never on disk
 
     @property
