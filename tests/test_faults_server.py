@@ -27,9 +27,16 @@ def model() -> str:
 
 
 def serve(model: str, prefill: int, decode: int, *args: str, slow_step: float = 0.01) -> Server:
-    """Decode steps paced (KVFENCE_FAULTS slow_step) so that streams outlive a kill or a pause."""
-    return Server("--model", model, "--prefill", str(prefill), "--decode", str(decode), *COMMON, *args, admin=True,
-                  env={"KVFENCE_FAULTS": f"slow_step={slow_step}"})
+    """Every worker joined; decode steps paced (KVFENCE_FAULTS slow_step) so that streams outlive a kill or a
+    pause."""
+    server = Server("--model", model, "--prefill", str(prefill), "--decode", str(decode), *COMMON, *args,
+                    admin=True, env={"KVFENCE_FAULTS": f"slow_step={slow_step}"})
+    try:
+        wait_for("every worker", lambda: len(server.health()["workers"]) == prefill + decode)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def workers(server: Server, role: str) -> dict[str, dict]:
