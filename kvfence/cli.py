@@ -63,8 +63,10 @@ def add_pool_args(p: argparse.ArgumentParser, per_role: bool) -> None:
 
 def add_timeout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handoff-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds each step of a KV handoff may take (pages granted, transfer done) before the "
-                        "request ends with 503; the router ends a request that hears nothing for 4x this")
+                   help="seconds a KV handoff (pages granted to transfer done) may go without progress (each "
+                        "prompt chunk prefill computes restarts it) before the request ends with 503; waiting for "
+                        "pages or for a Dest may take 4x this, and the router ends a request that hears nothing for "
+                        "4x this")
 
 
 def add_cluster_key_arg(p: argparse.ArgumentParser, meaning: str) -> None:

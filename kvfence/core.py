@@ -165,6 +165,7 @@ class Request:
     tenant: str = "default"
     rid: int = field(default_factory=new_request_id)
     output_ids: list[int] = field(default_factory=list)
+    weight: float = 1.0  # the tenant's share weight (tenants file), for the workers' fair scheduling
 
     @property
     def prompt_len(self) -> int:

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 
 from kvfence.core import KvfenceError, Request, SamplingParams
 from kvfence.protocol.actions import Action, Deliver, Send
+from kvfence.protocol.capacity import DispatchLimits
 from kvfence.protocol.messages import Message, Output
 from kvfence.protocol.router import RouterCore
 from kvfence.safety import Safety
@@ -33,6 +34,7 @@ class Result:
         self.finish_reason: str | None = None
         self.error: KvfenceError | None = None
         self.gone = False  # the client left: it waits for nothing more
+        self.preemptions = 0  # from the last output: times decode preempted it
 
     @property
     def ended(self) -> bool:
@@ -45,15 +47,17 @@ class Result:
 
 class Pair:
     def __init__(self, model: str, *, max_context: int, prefill_pool: int, decode_pool: int, page_size: int = 16,
-                 emulate_incident: bool = False, dtype: str = "float32") -> None:
+                 emulate_incident: bool = False, dtype: str = "float32", step_tokens: int = 512,
+                 handoff_timeout: float = 30.0, limits: DispatchLimits | None = None) -> None:
         def settings(role: str, pool: int) -> WorkerSettings:
             return WorkerSettings(role=role, bind=f"tcp://127.0.0.1:{free_port()}", router=ROUTER, model=model,
                                   dtype=dtype, device="cpu", max_context=max_context, pool_tokens=pool,
-                                  page_size=page_size, chunk_size=64, emulate_incident=emulate_incident)
+                                  page_size=page_size, chunk_size=64, step_tokens=step_tokens,
+                                  emulate_incident=emulate_incident, handoff_timeout=handoff_timeout)
 
         self.prefill = PrefillWorker(settings("prefill", prefill_pool))
         self.decode = DecodeWorker(settings("decode", decode_pool))
-        self.router = RouterCore(ROUTER, max_context, Safety.from_env())
+        self.router = RouterCore(ROUTER, max_context, Safety.from_env(), limits=limits)
         self.nodes = {ROUTER: self.router, self.prefill.me: self.prefill, self.decode.me: self.decode}
         self.inflight: deque[tuple[str, str, Message]] = deque()  # (sender, to, msg)
         self.results: dict[int, Result] = {}
@@ -65,8 +69,8 @@ class Pair:
 
     # -- clients ---------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], max_tokens: int = 8) -> int:
-        req = Request(prompt, SamplingParams(max_tokens, temperature=0.0, ignore_eos=True))
+    def submit(self, prompt: list[int], max_tokens: int = 8, tenant: str = "default") -> int:
+        req = Request(prompt, SamplingParams(max_tokens, temperature=0.0, ignore_eos=True), tenant)
         self.results[req.rid] = Result()
         self._route(ROUTER, self.router.submit(req))
         return req.rid
@@ -171,3 +175,4 @@ class Pair:
         elif isinstance(action.output, Output):
             result.tokens += action.output.token_ids
             result.finish_reason = action.output.finish_reason
+            result.preemptions = action.output.preemptions

@@ -218,6 +218,17 @@ def test_weights_share_starts_in_proportion():
     assert order == ["a", "b", "c", "c", "a", "b", "c", "c", "a", "b", "c", "c"]
 
 
+def test_a_started_request_takes_its_tenants_weight_to_the_workers():
+    q = FairQueue(QueuePolicy({"c": TenantQuota(weight=2.5)}))
+    for tenant in ("a", "c"):
+        assert q.add(Request([1, 2], SamplingParams(4), tenant), now=0) is None
+    started = []
+    while (entry := q.next()) is not None:
+        q.start(entry)
+        started.append((entry.req.tenant, entry.req.weight))
+    assert sorted(started) == [("a", 1.0), ("c", 2.5)]
+
+
 def test_completion_tokens_count_toward_the_share():
     """a's requests each produce 48 tokens, b's none: per token served, b starts 4 requests for each of a's."""
     q = backlogged(QueuePolicy(), ("a", "b"))

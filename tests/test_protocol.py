@@ -19,6 +19,7 @@ from kvfence.protocol.messages import (
     Params,
     Peers,
     Prefill,
+    Progress,
     Reject,
     WorkerDown,
 )
@@ -43,8 +44,8 @@ def decode_core(pages: int = 4, safety: Safety = SAFE, verdict: str | None = Non
     return DecodeCore(D, R, PageTable(pages), limits, safety, verify=lambda rid, grants, expected, checksum: verdict)
 
 
-def admit(n: int = 6, max_tokens: int = 2, rid: int = RID) -> Admit:
-    return Admit(rid, "tenant-a", list(range(1, n + 1)), Params(max_tokens), P)
+def admit(n: int = 6, max_tokens: int = 2, rid: int = RID, tenant: str = "tenant-a", weight: float = 1.0) -> Admit:
+    return Admit(rid, tenant, list(range(1, n + 1)), Params(max_tokens), P, weight)
 
 
 def test_decode_happy_path_grants_exact_pages_then_starts_decoding():
@@ -417,9 +418,10 @@ def test_router_without_propagation_ignores_prefill_errors():
 
 
 def test_router_defers_cancel_until_handoff_ends():
+    """L7: decode is cancelled only once the handoff has ended; prefill is told at once, to stop computing."""
     core = router_core()
     core.submit(request())
-    assert core.client_gone(RID) == []
+    assert core.client_gone(RID) == [Send(P, Cancel(RID))]
     assert core.handle(D, Output(RID, [5], "x", completion_tokens=1)) == [Send(D, Cancel(RID))]
     assert core.reqs == {}
 
@@ -449,7 +451,7 @@ def test_router_prefill_reject_after_client_left_still_cancels_decode():
     router without telling decode, which then kept the request queued for pages that might never come."""
     core = router_core()
     core.submit(request())
-    assert core.client_gone(RID) == []
+    assert core.client_gone(RID) == [Send(P, Cancel(RID))]
     out = core.handle(P, Reject(RID, ErrorInfo(503, "service_unavailable", "no pages"), P))
     assert out == [Send(D, Cancel(RID))]  # no Deliver: the client is gone
     assert core.reqs == {}
@@ -488,16 +490,119 @@ def test_router_keeps_a_restarted_prefill_and_its_requests():
     assert RID in core.reqs
 
 
-def test_decode_gives_up_on_a_request_that_waits_for_pages_past_the_handoff_timeout():
+def test_decode_gives_up_on_a_request_that_waits_for_pages_past_the_page_wait_timeout():
     """Found by `kvfence verify --quick-restart`: WAITING had no deadline, so a request whose prefill had lost it
-    (a prefill restarted before the router noticed) waited forever once the pool stayed short of pages."""
+    (a prefill restarted before the router noticed) waited forever once the pool stayed short of pages. The wait
+    for pages has its own bound (120 s here), not the handoff timeout (30 s): waiting is not the handoff."""
     core = decode_core(pages=2)
     core.handle(R, admit(6), now=0)  # the whole pool
     core.handle(P, Done(RID, 6, 0, 7), now=1)  # decoding: the pages stay taken
     other = RID + 1
     assert core.handle(R, admit(4, rid=other), now=2) == []  # waits for pages
-    assert core.tick(now=31) == []
-    out = core.tick(now=32)
+    assert core.tick(now=121) == []
+    out = core.tick(now=122)
     assert [(a.to, type(a.msg)) for a in out] == [(R, Reject), (P, Fail)]
     assert out[0].msg.error.status == 503 and out[0].msg.rid == other
     assert other not in core.reqs and list(core.waiting) == []
+
+
+# -- the handoff timeout measures the handoff; fair grants (issue 19, the workers' part) ----------------------------
+
+
+def engine_ends(core: DecodeCore, start: StartDecode, now: float) -> list:
+    """The engine ends a request it decoded: it frees its pages and reports its last output."""
+    rid = start.admit.rid
+    core.pages.free(rid, start.grants)
+    return core.engine_output(Output(rid, [7], "", "stop", 6, 1), now=now)
+
+
+def finish_decoding(core: DecodeCore, rid: int, now: float) -> list:
+    return engine_ends(core, core.handle(P, Done(rid, 6, 0, 7), now=now)[0], now)
+
+
+def test_the_handoff_timeout_counts_from_the_grant_not_from_admit():
+    """Waiting for pages does not count: a request granted at t=40 (admitted at 0) has until 70 to be Done."""
+    core = decode_core(pages=2)
+    core.handle(R, admit(6, rid=RID + 1), now=0)  # the whole pool
+    start = core.handle(P, Done(RID + 1, 6, 0, 7), now=1)[0]
+    assert core.handle(R, admit(6), now=1) == []
+    assert core.tick(now=39) == []  # past the handoff timeout while waiting: it waits on
+    out = engine_ends(core, start, now=40)  # the pages come free
+    assert (out[-1].to, type(out[-1].msg)) == (P, Dest)
+    assert core.tick(now=69) == []
+    assert [type(a.msg) for a in core.tick(now=70)] == [Reject, Abort]
+
+
+def test_prefill_progress_keeps_the_handoff_alive():
+    """Each Progress from the writer starts the handoff timeout again; one from another worker does not."""
+    core = decode_core()
+    core.handle(R, admit(6), now=0)
+    assert core.handle(P, Progress(RID, 4), now=25) == []
+    assert core.handle("prefill-9", Progress(RID, 4), now=50) == []  # not its writer
+    assert core.tick(now=54) == []
+    out = core.tick(now=55)
+    assert [type(a.msg) for a in out] == [Reject, Abort] and out[0].msg.error.status == 503
+
+
+def test_decode_grants_pages_in_weighted_fair_order_across_tenants():
+    """bob's requests wait for pages before alice's; alice's, the latest, is granted first because bob's counter
+    already holds the prompt he was granted. Within a tenant, the oldest goes first."""
+    core = decode_core(pages=2)
+    core.handle(R, admit(6, rid=1, tenant="bob"), now=0)  # the whole pool
+    for rid, tenant in ((2, "bob"), (3, "bob"), (4, "alice")):
+        core.handle(R, admit(6, rid=rid, tenant=tenant), now=1)
+    granted, decoding = [], 1
+    while decoding:
+        dests = [a.msg.rid for a in finish_decoding(core, decoding, now=2) if isinstance(a.msg, Dest)]
+        granted += dests
+        decoding = dests[0] if dests else None
+    assert granted == [4, 2, 3]
+
+
+def test_a_tenants_weight_divides_what_decode_charges_it():
+    core = decode_core(pages=8)
+    core.handle(R, admit(8, rid=1, tenant="heavy", weight=2.0), now=0)
+    core.handle(R, admit(8, rid=2, tenant="light"), now=0)
+    assert core.shares.served == {"heavy": 4.0, "light": 8.0}
+
+
+def test_prefill_reports_progress_only_while_computing():
+    core = prefill_core()
+    core.handle(R, prefill(6), now=0)
+    assert core.progress(RID, 4) == []  # no Dest yet: nothing is computing
+    core.handle(D, Dest(RID, [(0, 1), (1, 1)], 6), now=0)
+    assert core.progress(RID, 4) == [Send(D, Progress(RID, 4))]
+    core.handle(D, Abort(RID), now=1)
+    assert core.progress(RID, 6) == []
+
+
+def test_prefill_stops_a_cancelled_prompt_and_ends_the_handoff_once_its_writes_drained():
+    """The router's Cancel (the client left mid-handoff, L7): stop between chunks; Fail (no write follows) and
+    Reject only once the runner has drained, so decode frees nothing a write may still hit."""
+    core = prefill_core()
+    core.handle(R, prefill(6), now=0)
+    core.handle(D, Dest(RID, [(0, 1), (1, 1)], 6), now=0)
+    assert core.handle("decode-9", Cancel(RID), now=1) == []  # only the router may cancel
+    assert core.handle(R, Cancel(RID), now=1) == [StopPrefill(RID)]
+    assert core.progress(RID, 4) == []
+    out = core.computed(RID, 6, 0, 7)  # the runner drained (here: it had finished anyway)
+    assert [(a.to, type(a.msg)) for a in out] == [(D, Fail), (R, Reject)] and core.reqs == {}
+
+
+def test_prefill_drops_a_cancelled_prompt_still_waiting_for_its_dest():
+    core = prefill_core()
+    core.handle(R, prefill(6), now=0)
+    out = core.handle(R, Cancel(RID), now=1)
+    assert [(a.to, type(a.msg)) for a in out] == [(R, Reject)] and core.reqs == {}
+    # decode, told by the router, aborts; a Dest that crossed the Cancel is answered as any unknown one
+    assert core.handle(D, Abort(RID), now=2) == [Send(D, AbortAck(RID))]
+
+
+def test_the_router_sends_the_tenants_weight_to_both_workers():
+    from kvfence.protocol.capacity import QueuePolicy, TenantQuota
+
+    core = RouterCore(R, max_context=64, safety=SAFE, policy=QueuePolicy({"tenant-a": TenantQuota(weight=3.0)}))
+    for h in (hello(P, "prefill"), hello(D, "decode")):
+        core.worker_up(h)
+    sent = [a.msg for a in core.submit(request()) if isinstance(a, Send)]
+    assert [(type(m), m.weight) for m in sent] == [(Admit, 3.0), (Prefill, 3.0)]

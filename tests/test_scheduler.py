@@ -1,9 +1,16 @@
-"""Continuous batching: chunk boundaries, admission, growth and preemption, on a real page table."""
+"""Continuous batching: chunk boundaries, admission, growth and preemption, on a real page table; fair shares
+across tenants, and preemption by share on a real engine with the tiny model."""
+
+import pytest
+import torch
 
 from kvfence.config import EngineConfig
 from kvfence.core import Request, SamplingParams
+from kvfence.engine.engine import Engine
 from kvfence.engine.scheduler import Scheduler, Sequence
 from kvfence.kvcache.pages import PageTable
+from kvfence.model.loader import load_model
+from tests.tiny_models import tiny_model_dir
 
 
 def make(pool_tokens=64, page=4, chunk=8, step=16, batch=8):
@@ -12,8 +19,9 @@ def make(pool_tokens=64, page=4, chunk=8, step=16, batch=8):
     return Scheduler(cfg, PageTable(cfg.num_pages))
 
 
-def seq(prompt_len: int, rid: int) -> Sequence:
-    return Sequence(Request(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=8), rid=rid))
+def seq(prompt_len: int, rid: int, tenant: str = "default", weight: float = 1.0) -> Sequence:
+    return Sequence(Request(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=8), tenant, rid=rid,
+                            weight=weight))
 
 
 def run(sched: Scheduler) -> list[tuple[int, int, int]]:
@@ -109,3 +117,107 @@ def test_max_batch_limits_running():
         s.add(seq(2, rid=rid))
     run(s)
     assert [x.rid for x in s.running] == [1, 2] and [x.rid for x in s.waiting] == [3]
+
+
+# -- fair shares across tenants (issue 19) ---------------------------------------------------------------------
+
+
+def test_a_newcomers_prompt_goes_before_the_next_chunk_of_a_long_one():
+    """bob's 40-token prompt runs a chunk a step; alice's arrives after his first and goes next, not after his
+    last (first come, first served would have made her wait four steps)."""
+    s = make(pool_tokens=64, page=4, chunk=8, step=8)
+    s.add(seq(40, rid=1, tenant="bob"))
+    assert run(s) == [(1, 0, 8)]
+    s.add(seq(8, rid=2, tenant="alice"))
+    assert run(s) == [(2, 0, 8)]
+    assert run(s) == [(2, 8, 9), (1, 8, 16)]
+
+
+def test_admission_follows_the_share_and_weights_divide_the_charge():
+    """Each step admits one 8-token prompt (which then ends). bob (weight 1) and carol (weight 2) wait with three
+    each: carol gets two admissions for each of bob's; on a tie the older request goes first."""
+    s = make(pool_tokens=256, page=4, chunk=8, step=8, batch=16)
+    for rid in range(1, 4):
+        s.add(seq(8, rid=rid, tenant="bob"))
+    for rid in range(11, 14):
+        s.add(seq(8, rid=rid, tenant="carol", weight=2.0))
+    order = []
+    for _ in range(6):
+        order += [rid for rid, _, _ in run(s)]
+        for x in [x for x in s.running if not x.in_prefill]:
+            s.remove(x)
+    assert order == [1, 11, 12, 2, 13, 3]
+
+
+def fill(s: Scheduler, *seqs: Sequence) -> None:
+    for x in seqs:
+        s.add(x)
+    run(s)
+    assert all(x in s.running for x in seqs)
+
+
+def test_a_dry_pool_preempts_the_tenant_furthest_over_its_share_not_the_newest_request():
+    """alice's request is the newest, so the old rule (preempt the newest) took it; bob has been served three
+    times her tokens, so his newest goes instead, and his again while he stays over his share."""
+    s = make(pool_tokens=48, page=4, chunk=8, step=64, batch=8)  # 12 pages
+    bob = [seq(4, rid=r, tenant="bob") for r in (1, 2, 3)]
+    alice = seq(4, rid=4, tenant="alice")
+    fill(s, *bob, alice)
+    for _ in range(16):
+        run(s)
+    assert s.num_preempted >= 2 and alice.preemptions == 0 and alice in s.running
+    assert sum(b.preemptions for b in bob) == s.num_preempted and bob[2].preemptions >= 1
+    s.pages.check_integrity()
+
+
+def test_a_tenant_within_its_weighted_share_is_not_preempted():
+    """carol (weight 4) runs three requests against bob's one (weight 1): per unit of weight bob has been served
+    more, so bob is preempted although carol holds more pages."""
+    s = make(pool_tokens=40, page=4, chunk=8, step=64, batch=8)  # 10 pages
+    carol = [seq(4, rid=r, tenant="carol", weight=4.0) for r in (1, 2, 3)]
+    bob = seq(4, rid=4, tenant="bob")
+    fill(s, bob, *carol)
+    while not s.num_preempted:
+        run(s)
+    assert bob.preemptions == 1 and all(c.preemptions == 0 for c in carol)
+
+
+# -- on a real engine ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(str(tiny_model_dir("llama")), dtype=torch.float32)
+
+
+def generate(tiny, requests: list[Request], pool_tokens: int) -> dict[int, tuple[list[int], int]]:
+    """Run ``requests`` (added together) to the end: per request, its tokens and its last output's preemptions."""
+    config = EngineConfig(max_context=128, kv_pool_tokens=pool_tokens, page_size=4, chunk_size=16, max_batch=8)
+    engine = Engine(tiny.model, tiny.tokenizer, config, torch.float32)
+    for req in requests:
+        engine.add(req)
+    tokens: dict[int, list[int]] = {req.rid: [] for req in requests}
+    preempted = {}
+    while engine.has_work:
+        for out in engine.step():
+            tokens[out.rid] += out.token_ids
+            if out.finished:
+                preempted[out.rid] = out.preemptions
+    engine.check_integrity()
+    return {rid: (tokens[rid], preempted[rid]) for rid in tokens}
+
+
+def test_preemption_spares_the_tenant_within_its_share_and_keeps_greedy_outputs_exact(tiny):
+    """bob floods a small pool with three long generations; alice's one request, added last, is never preempted
+    while bob's are; every output equals the same request's greedy output alone in a pool with room to spare."""
+    def requests() -> list[Request]:
+        greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        bob = [Request([100 + 7 * r + i for i in range(16)], greedy, "bob", rid=r) for r in (1, 2, 3)]
+        return bob + [Request([300 + i for i in range(16)], greedy, "alice", rid=4)]
+
+    crowded = generate(tiny, requests(), pool_tokens=96)  # 24 pages; the four need 14 each at the end
+    assert crowded[4][1] == 0
+    assert sum(crowded[r][1] for r in (1, 2, 3)) >= 2
+    for req in requests():
+        alone = generate(tiny, [req], pool_tokens=128)
+        assert alone[req.rid] == (crowded[req.rid][0], 0)

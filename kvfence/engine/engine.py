@@ -108,7 +108,7 @@ class Engine:
         seq.stamped = len(grants)  # prefill wrote these tag records, checked on landing
         self.seqs[req.rid] = seq
         self.trackers[req.rid] = OutputTracker(req, self.tokenizer, self.token_limit, self._guide(req))
-        self.scheduler.running.append(seq)
+        self.scheduler.add_running(seq)
         self.trackers[req.rid].prompt_logprobs = prompt_logprobs or []
         out = self.trackers[req.rid].append(first_token, first_logprob)
         if out.finished:
@@ -241,8 +241,10 @@ class Engine:
         return out
 
     def _end(self, seq: Sequence, last: RequestOutput | None = None) -> None:
-        """Forget ``seq`` and free its pages; ``last`` (its final output) records the grants it read."""
+        """Forget ``seq`` and free its pages; ``last`` (its final output) records the grants it read and how often
+        it was preempted."""
         if last is not None:
             last.pages = [(g.page, g.epoch) for g in seq.grants]
+            last.preemptions = seq.preemptions
         self.scheduler.remove(seq)
         del self.seqs[seq.rid], self.trackers[seq.rid]

@@ -1,4 +1,4 @@
-"""Continuous batching over a paged KV pool.
+"""Continuous batching over a paged KV pool, with a weighted fair share of tokens across tenants.
 
 Every step, each running request past its prompt decodes one token, and
 prompts advance by whole chunks within a token budget. Requests join and leave
@@ -8,17 +8,25 @@ Contracts:
 - A prompt's chunk boundaries are fixed multiples of ``chunk_size`` counted
   from its first token, whatever else is scheduled, so its computation (and
   greedy output) never depends on its neighbours.
+- Fair order (``FairShares``, the router queue's virtual token counters, kept
+  per scheduler): every token computed is charged to its tenant, divided by
+  the request's ``weight``. Prompt chunks and admissions go to the tenant with
+  the smallest counter first, oldest request first within a tenant. The head
+  in that order is never overtaken: a request that does not fit yet waits.
 - A request is admitted only when pages for its whole prompt can be granted;
-  decode grows one page at a time. When the pool runs dry the newest running
-  request is preempted: its pages are freed and it recomputes later, replaying
-  its generated tokens one decode step at a time so that its KV comes out
-  bit-identical.
-- Admission is FIFO: a waiting request never overtakes an older one.
+  decode grows one page at a time. When the pool runs dry, the running tenant
+  furthest over its share (the highest counter: the most tokens served for
+  its weight) loses its newest running request: its pages are freed and it
+  recomputes later, replaying its generated tokens one decode step at a time
+  so that its KV comes out bit-identical. A tenant served less is never
+  preempted while one served more runs. Only requests the engine owns are
+  preempted: every write into their pages has landed (decode hands pages to
+  the engine only after ``Done``), so a freed page can take no late write
+  (L6).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +35,7 @@ import torch
 from kvfence.config import EngineConfig
 from kvfence.core import Request
 from kvfence.kvcache.pages import PageGrant, PageTable
+from kvfence.protocol.capacity import FairShares
 
 
 @dataclass(eq=False)
@@ -39,6 +48,8 @@ class Sequence:
     num_computed: int = 0  # positions whose K/V are in the pool
     tags: tuple[np.ndarray, ...] = ()  # (pages, owner_hi, owner_lo, epochs) for PageTable.verify
     stamped: int = 0  # grants whose tag records already name this request (decode with remote writers)
+    arrival: int = 0  # its place in the scheduler's arrival order
+    preemptions: int = 0  # times it was preempted
 
     @property
     def rid(self) -> int:
@@ -90,8 +101,10 @@ class Scheduler:
     def __init__(self, config: EngineConfig, pages: PageTable) -> None:
         self.config = config
         self.pages = pages
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # oldest first
+        self.waiting: list[Sequence] = []  # taken in fair order (``_key``)
+        self.running: list[Sequence] = []  # in admission order
+        self.shares = FairShares()
+        self.arrivals = 0
         self.num_preempted = 0
 
     @property
@@ -99,7 +112,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
+        self._arrive(seq)
         self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Take ``seq`` straight into the batch (its prompt's KV is already in its pages; its tenant pays for it)."""
+        self._arrive(seq)
+        self.shares.start(seq.req.tenant, seq.req.prompt_len, seq.req.weight)
+        self.running.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out and free its pages."""
@@ -110,40 +130,64 @@ class Scheduler:
         self.pages.free(seq.rid, seq.drop_grants())
 
     def schedule(self) -> list[Work]:
+        """This step's work: a decode row for every running request past its prompt, then prompt chunks and
+        admissions in fair order within the token budget. The first waiting request that does not fit stops
+        admission for this step (it is never overtaken); prompts already running go on."""
         work = self._schedule_decodes()
-        budget = self.config.step_tokens
-        for seq in self.running:
-            if seq.in_prefill:
-                budget = self._add_chunk(seq, work, budget)
-        self._admit(work, budget)
+        budget, admitting = self.config.step_tokens, True
+        for seq in sorted([s for s in self.running if s.in_prefill] + self.waiting, key=self._key):
+            if budget <= 0:
+                break
+            if seq in self.waiting:
+                admitting = admitting and self._admit(seq)
+                if not admitting:
+                    continue
+            budget = self._add_chunk(seq, work, budget)
         return work
 
+    def _arrive(self, seq: Sequence) -> None:
+        tenant = seq.req.tenant
+        if not any(s.req.tenant == tenant for s in (*self.waiting, *self.running)):
+            self.shares.resume(tenant)  # back after idling: no credit for the idle time
+        self.arrivals += 1
+        seq.arrival = self.arrivals
+
+    def _key(self, seq: Sequence) -> tuple[float, int]:
+        return self.shares.counter(seq.req.tenant), seq.arrival
+
     def _schedule_decodes(self) -> list[Work]:
-        work = []
-        for seq in list(self.running):
-            if seq in self.running and not seq.in_prefill and self._grow(seq):
-                work.append(Work(seq, seq.num_computed, seq.num_computed + 1))
+        grown = [seq for seq in list(self.running) if seq in self.running and not seq.in_prefill and self._grow(seq)]
+        work = [Work(seq, seq.num_computed, seq.num_computed + 1)
+                for seq in grown if seq in self.running]  # a later growth may have preempted an earlier one
+        for w in work:
+            self.shares.charge(w.seq.req.tenant, 1, w.seq.req.weight)
         return work
 
     def _grow(self, seq: Sequence) -> bool:
-        """Make sure ``seq`` has a page for its next position; preempt the newest if needed.
+        """Make sure ``seq`` has a page for its next position, preempting by share if needed.
 
         Returns False when ``seq`` itself had to be preempted.
         """
         if self.config.pages_for(seq.num_computed + 1) <= len(seq.grants):
             return True
         while not self.pages.can_grant(1):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             if victim is seq:
                 return False
         seq.add_grants(self.pages.grant(seq.rid, 1))
         return True
 
+    def _victim(self) -> Sequence:
+        """The newest running request of the tenant furthest over its share: the highest counter (on a tie, the
+        tenant of the newest request)."""
+        return max(self.running[::-1], key=lambda s: self.shares.counter(s.req.tenant))
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pages.free(seq.rid, seq.drop_grants())
-        self.waiting.appendleft(seq)
+        self.waiting.append(seq)
+        seq.preemptions += 1
         self.num_preempted += 1
 
     def _add_chunk(self, seq: Sequence, work: list[Work], budget: int) -> int:
@@ -153,16 +197,18 @@ class Scheduler:
         if end - start > budget and budget < self.config.step_tokens:
             return 0  # out of budget; the step's first chunk always runs, so no prompt starves
         work.append(Work(seq, start, end))
+        self.shares.start(seq.req.tenant, end - start, seq.req.weight)
         return budget - (end - start)
 
-    def _admit(self, work: list[Work], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch:
-            seq = self.waiting[0]
-            need = self.config.pages_for(seq.req.prompt_len)
-            if not self.pages.can_grant(need + len(self.running)):  # keep a growth page per running request
-                if self.running or not self.pages.can_grant(need):
-                    break
-            self.waiting.popleft()
-            seq.add_grants(self.pages.grant(seq.rid, need))
-            self.running.append(seq)
-            budget = self._add_chunk(seq, work, budget)
+    def _admit(self, seq: Sequence) -> bool:
+        """Grant ``seq`` its prompt's pages and move it into the batch, if there is room."""
+        if len(self.running) >= self.config.max_batch:
+            return False
+        need = self.config.pages_for(seq.req.prompt_len)
+        if not self.pages.can_grant(need + len(self.running)):  # keep a growth page per running request
+            if self.running or not self.pages.can_grant(need):
+                return False
+        self.waiting.remove(seq)
+        seq.add_grants(self.pages.grant(seq.rid, need))
+        self.running.append(seq)
+        return True

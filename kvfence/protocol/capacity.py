@@ -103,6 +103,34 @@ class TokenBucket:
         self.level = min(self.per_minute, self.level - tokens)
 
 
+class FairShares:
+    """Weighted fair shares of tokens across tenants: one virtual token counter per tenant (start-time fair
+    queuing). The router's queue and each worker's scheduler order their waiting work by it.
+
+    A tenant's counter grows by the tokens it is served divided by its weight; the smallest counter goes next.
+    ``resume`` a tenant whose work starts again after none was waiting or running: it restarts from at least
+    the counter the latest start began at, so idling banks no credit.
+    """
+
+    def __init__(self) -> None:
+        self.served: dict[str, float] = {}  # tenant -> tokens served / weight
+        self.virtual_time = 0.0  # the counter the latest start began at
+
+    def counter(self, tenant: str) -> float:
+        return self.served.get(tenant, self.virtual_time)
+
+    def resume(self, tenant: str) -> None:
+        self.served[tenant] = max(self.served.get(tenant, 0.0), self.virtual_time)
+
+    def start(self, tenant: str, tokens: int, weight: float) -> None:
+        """Work of ``tenant`` starts: the virtual time moves to its counter, which then pays for ``tokens``."""
+        self.virtual_time = max(self.virtual_time, self.counter(tenant))
+        self.charge(tenant, tokens, weight)
+
+    def charge(self, tenant: str, tokens: int, weight: float) -> None:
+        self.served[tenant] = self.counter(tenant) + tokens / weight
+
+
 class FairQueue:
     """The waiting requests of every tenant, their order, and the quotas checked at the door."""
 
@@ -111,8 +139,7 @@ class FairQueue:
         self.queues: dict[str, deque[Queued]] = {}  # tenants with requests waiting, each oldest first
         self.tenant_of: dict[int, str] = {}  # rid -> tenant, for every waiting request
         self.started: dict[str, int] = {}  # tenant -> requests started and not yet ended
-        self.served: dict[str, float] = {}  # tenant -> virtual token counter (tokens served / weight)
-        self.virtual_time = 0.0  # the counter the latest start began at
+        self.shares = FairShares()  # counters move only with scheduling="fair"
         self.buckets: dict[str, TokenBucket] = {}
         self.arrivals = 0
 
@@ -127,7 +154,7 @@ class FairQueue:
 
     def lengths(self) -> dict[str, int]:
         """Requests waiting per tenant, for every tenant seen so far (0 for those with none)."""
-        return {t: self.waiting(t) for t in sorted(self.served)}
+        return {t: self.waiting(t) for t in sorted(self.shares.served)}
 
     def entries(self) -> Iterator[Queued]:
         for queue in list(self.queues.values()):
@@ -157,7 +184,7 @@ class FairQueue:
 
     def _queue_of(self, tenant: str) -> deque[Queued]:
         if tenant not in self.queues:  # backlogged again: no credit for the time it was idle
-            self.served[tenant] = max(self.served.get(tenant, 0.0), self.virtual_time) if self.fair else 0.0
+            self.shares.resume(tenant)
             self.queues[tenant] = deque()
         return self.queues[tenant]
 
@@ -203,17 +230,18 @@ class FairQueue:
             if not self._may_start(tenant):
                 continue
             head = queue[0]
-            key = (self.served[tenant], head.seq) if fair else (head.seq,)
+            key = (self.shares.counter(tenant), head.seq) if fair else (head.seq,)
             if best_key is None or key < best_key:
                 best, best_key = head, key
         return best
 
     def start(self, entry: Queued) -> None:
-        """``entry`` leaves the queue for a worker: its tenant pays for its prompt."""
+        """``entry`` leaves the queue for a worker: its tenant pays for its prompt. The request takes its tenant's
+        weight along (``Request.weight``), for the workers' own fair scheduling."""
         tenant = self._remove(entry.req.rid)
+        entry.req.weight = self.policy.quota(tenant).weight
         if self.fair:
-            self.virtual_time = max(self.virtual_time, self.served[tenant])
-            self.served[tenant] += entry.req.prompt_len / self.policy.quota(tenant).weight
+            self.shares.start(tenant, entry.req.prompt_len, entry.req.weight)
         self.started[tenant] = self.started.get(tenant, 0) + 1
 
     def withdraw(self, rid: int) -> Request | None:
@@ -231,7 +259,7 @@ class FairQueue:
     def charge(self, tenant: str, completion_tokens: int) -> None:
         """``completion_tokens`` of a started request of ``tenant`` were delivered."""
         if self.fair:
-            self.served[tenant] = self.served.get(tenant, 0.0) + completion_tokens / self.policy.quota(tenant).weight
+            self.shares.charge(tenant, completion_tokens, self.policy.quota(tenant).weight)
         bucket = self.buckets.get(tenant)
         if bucket is not None:
             bucket.take(completion_tokens)

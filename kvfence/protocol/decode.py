@@ -6,8 +6,18 @@ shares, with the engine's scheduler, on the same thread.
 
 Per request: WAITING (no pages yet) -> AWAIT_DONE (Dest sent) -> DECODING
 (engine owns the pages); on abort or timeout AWAIT_DONE -> ABORTING until
-Done or AbortAck proves no write can still land. A request still WAITING
-after the handoff timeout ends with a 503 (and a Fail to prefill).
+Done or AbortAck proves no write can still land.
+
+Timeouts: the handoff timeout measures the handoff itself, from the grant
+(Dest sent) to Done, and every ``Progress`` from the writer (a chunk of the
+prompt computed) starts it again; waiting for pages does not count. A request
+still WAITING after ``page_wait_timeout`` ends with a 503 (and a Fail to
+prefill), so nothing waits for ever.
+
+Order: WAITING requests get pages in weighted fair order (``FairShares``:
+prompt tokens granted and completion tokens produced, per tenant, divided by
+the request's ``weight``; oldest first within a tenant). The head waits until
+its pages are free: it is never overtaken.
 
 Contracts:
 - Pages granted for a transfer are freed only after Done, Fail or AbortAck
@@ -28,7 +38,6 @@ Contracts:
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -36,6 +45,7 @@ from enum import Enum
 from kvfence.core import ContextLengthExceeded, IntegrityError, KvfenceError, ServiceUnavailable
 from kvfence.kvcache.pages import PageGrant, PageState, PageTable
 from kvfence.protocol.actions import Action, Send, StartDecode, StopDecode
+from kvfence.protocol.capacity import FairShares
 from kvfence.protocol.messages import (
     Abort,
     AbortAck,
@@ -47,6 +57,7 @@ from kvfence.protocol.messages import (
     Fail,
     Message,
     Output,
+    Progress,
     Reject,
 )
 from kvfence.safety import Safety, layer_of
@@ -80,8 +91,9 @@ class DecodeReq:
 class DecodeLimits:
     max_context: int
     page_size: int
-    handoff_timeout: float = 30.0  # Admit -> pages granted, and again pages granted -> Done
+    handoff_timeout: float = 30.0  # pages granted -> Done, restarted by each Progress
     abort_timeout: float = 10.0  # Abort -> AbortAck; then quarantine
+    page_wait_timeout: float = 120.0  # Admit -> pages granted
 
 
 class DecodeCore:
@@ -90,7 +102,8 @@ class DecodeCore:
         self.me, self.router, self.pages, self.limits, self.safety = me, router, pages, limits, safety
         self.verify = verify
         self.reqs: dict[int, DecodeReq] = {}
-        self.waiting: deque[int] = deque()
+        self.waiting: list[int] = []  # rids WAITING, in arrival order; granted in fair order
+        self.shares = FairShares()
         self.held: dict[int, tuple[str, list[int]]] = {}  # rid -> (writer, pages) quarantined until the writer speaks
 
     @property
@@ -108,6 +121,8 @@ class DecodeCore:
                 actions = self._admit(msg, now)
             case Done():
                 actions = self._done(sender, msg)
+            case Progress():
+                self._progress(sender, msg, now)
             case Fail():
                 actions = self._writer_finished(msg.rid, sender, msg.error)
             case AbortAck():
@@ -122,7 +137,7 @@ class DecodeCore:
             if req.state is DState.WAITING and now >= req.deadline:
                 self.waiting.remove(req.rid)
                 del self.reqs[req.rid]
-                err = ServiceUnavailable(f"no KV pages became free within {self.limits.handoff_timeout}s")
+                err = ServiceUnavailable(f"no KV pages became free within {self.limits.page_wait_timeout}s")
                 actions += [self._reject(req.rid, err), Send(req.prefill, Fail(req.rid, ErrorInfo.of(err)))]
             elif req.state is DState.AWAIT_DONE and now >= req.deadline:
                 err = ServiceUnavailable("the prefill worker did not finish the KV transfer in time")
@@ -134,8 +149,9 @@ class DecodeCore:
     def engine_output(self, out: Output | Reject, now: float) -> list[Action]:
         """The engine produced tokens, or ended the request (freeing its pages itself)."""
         ended = isinstance(out, Reject) or out.finish_reason is not None
-        if ended:
-            self.reqs.pop(out.rid, None)
+        req = self.reqs.pop(out.rid, None) if ended else self.reqs.get(out.rid)
+        if req is not None and isinstance(out, Output):
+            self.shares.charge(req.msg.tenant, len(out.token_ids), req.msg.weight)
         actions: list[Action] = [Send(self.router, out)]
         return actions + (self._grant_waiting(now) if ended else [])
 
@@ -170,7 +186,9 @@ class DecodeCore:
         err = self._admission_error(msg)
         if err is not None:
             return [self._reject(msg.rid, err), Send(msg.prefill, Fail(msg.rid, ErrorInfo.of(err)))]
-        self.reqs[msg.rid] = DecodeReq(msg, msg.prefill, deadline=now + self.limits.handoff_timeout)
+        if not any(self.reqs[rid].msg.tenant == msg.tenant for rid in self.waiting):
+            self.shares.resume(msg.tenant)  # back after idling: no credit for the idle time
+        self.reqs[msg.rid] = DecodeReq(msg, msg.prefill, deadline=now + self.limits.page_wait_timeout)
         self.waiting.append(msg.rid)
         return []
 
@@ -187,11 +205,12 @@ class DecodeCore:
     def _grant_waiting(self, now: float) -> list[Action]:
         actions: list[Action] = []
         while self.waiting:
-            req = self.reqs[self.waiting[0]]
+            req = min((self.reqs[rid] for rid in self.waiting), key=lambda r: self.shares.counter(r.msg.tenant))
             need = self._pages_for(len(req.msg.prompt_ids))
             if not self.pages.can_grant(need):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req.rid)
+            self.shares.start(req.msg.tenant, len(req.msg.prompt_ids), req.msg.weight)
             req.grants = self.pages.grant(req.rid, need)
             self.pages.set_state(req.rid, req.grants, PageState.WRITING)
             req.state, req.deadline = DState.AWAIT_DONE, now + self.limits.handoff_timeout
@@ -217,6 +236,12 @@ class DecodeCore:
         req.state = DState.DECODING
         grants, req.grants = req.grants, []
         return [StartDecode(req.msg, grants, msg.first_token, msg.first_logprob, msg.prompt_logprobs)]
+
+    def _progress(self, sender: str, msg: Progress, now: float) -> None:
+        """The writer computed more of the prompt: the handoff is alive, its timeout starts again."""
+        req = self.reqs.get(msg.rid)
+        if req is not None and sender == req.prefill and req.state is DState.AWAIT_DONE:
+            req.deadline = max(req.deadline, now + self.limits.handoff_timeout)
 
     def _landing_problem(self, req: DecodeReq, msg: Done) -> str | None:
         expected = len(req.msg.prompt_ids)

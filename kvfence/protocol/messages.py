@@ -8,6 +8,7 @@ Flow (decode first, as in DESIGN section 4):
 
     router  --Admit-->    decode   --Dest-->   prefill
     router  --Prefill-->  prefill  ==KV pages + tags==> decode pool
+                          prefill  --Progress...--> decode            (per computed chunk)
                           prefill  --Done/Fail--> decode
     decode  --Output...-> router                      (tokens, then the end)
     any leg --Reject-->   router                      (and Fail/Cancel to its peer)
@@ -98,6 +99,7 @@ class Admit(RequestMsg, frozen=True):
     prompt_ids: list[int]
     params: Params
     prefill: str  # the prefill worker's id
+    weight: float = 1.0  # the tenant's share weight: decode grants pages and batch slots in weighted fair order
 
 
 class Prefill(RequestMsg, frozen=True):
@@ -108,6 +110,7 @@ class Prefill(RequestMsg, frozen=True):
     params: Params
     decode: str  # the decode worker's id
     idle_pair: bool = False  # the router had no other request on this prefill or this decode worker (a hint)
+    weight: float = 1.0  # the tenant's share weight: prefill computes prompts in weighted fair order
 
 
 class Cancel(RequestMsg, frozen=True):
@@ -132,6 +135,12 @@ class Done(RequestMsg, frozen=True):
     first_token: int
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # when the request asked for them (echo)
+
+
+class Progress(RequestMsg, frozen=True):
+    """Prefill -> decode: ``tokens`` of the prompt are computed so far; the handoff is alive (its timeout restarts)."""
+
+    tokens: int
 
 
 class Fail(RequestMsg, frozen=True):
@@ -222,8 +231,8 @@ class Fenced(Msg, frozen=True):
     epoch: int
 
 
-Message = Union[Admit, Prefill, Cancel, Dest, Done, Fail, Abort, AbortAck, Output, Reject, Hello, Peers,  # noqa: UP007
-                WorkerDown, Fenced]
+Message = Union[Admit, Prefill, Cancel, Dest, Done, Progress, Fail, Abort, AbortAck, Output, Reject, Hello,  # noqa: UP007
+                Peers, WorkerDown, Fenced]
 
 
 class Envelope(msgspec.Struct, frozen=True):

@@ -6,7 +6,10 @@ Sans-IO: ``handle`` (a message), ``tick`` (time), ``computed``,
 Per request: WAIT_DEST (prompt here, no Dest yet) or WAIT_PREFILL (Dest
 came first) -> COMPUTING -> ends with Done; an Abort while computing moves it
 to ABORTING, which ends with AbortAck once the runner reports that no write
-can still land.
+can still land. A Cancel from the router (its client left during the handoff,
+L7) moves COMPUTING to CANCELLING, which ends with Fail to decode and Reject
+to the router once the runner has drained; a request still waiting for its
+Dest ends at once with a Reject.
 
 Contracts:
 - Done, Fail and AbortAck are each sent only when no write for the request
@@ -18,6 +21,9 @@ Contracts:
 - A Dest whose expected length differs from the real prompt is refused (L4).
 - An Abort or Dest for a request this worker does not know is answered at
   once (AbortAck, or Fail after a grace period), so decode never waits in vain.
+- Work stops between chunks once a request is aborted or cancelled
+  (``StopPrefill``); while it computes, every chunk computed sends decode a
+  ``Progress`` (``progress``), which keeps its handoff timeout from firing.
 """
 
 from __future__ import annotations
@@ -29,8 +35,22 @@ import msgspec
 
 from kvfence.core import ContextLengthExceeded, IntegrityError, KvfenceError, ServiceUnavailable, TokenLogprob
 from kvfence.protocol.actions import Action, Send, StartPrefill, StopPrefill
-from kvfence.protocol.messages import Abort, AbortAck, Dest, Done, ErrorInfo, Fail, Message, Prefill, Reject
+from kvfence.protocol.messages import (
+    Abort,
+    AbortAck,
+    Cancel,
+    Dest,
+    Done,
+    ErrorInfo,
+    Fail,
+    Message,
+    Prefill,
+    Progress,
+    Reject,
+)
 from kvfence.safety import Safety
+
+CANCELLED = KvfenceError("cancelled: the client left")
 
 
 class PState(Enum):
@@ -38,6 +58,7 @@ class PState(Enum):
     WAIT_PREFILL = "wait_prefill"
     COMPUTING = "computing"
     ABORTING = "aborting"  # computing, Abort received: ack when the runner stops
+    CANCELLING = "cancelling"  # computing, Cancel received: Fail and Reject when the runner stops
     ACKED = "acked"  # computing, but already acked (only without L6: the unsafe path)
 
 
@@ -81,6 +102,8 @@ class PrefillCore:
                 return self._abort(sender, msg.rid)
             case Fail():
                 return self._peer_failed(sender, msg.rid)
+            case Cancel():
+                return self._cancel(sender, msg.rid)
         return []
 
     def tick(self, now: float) -> list[Action]:
@@ -98,6 +121,13 @@ class PrefillCore:
                 del self.reqs[req.rid]
         return actions
 
+    def progress(self, rid: int, tokens: int) -> list[Action]:
+        """The runner computed another chunk of ``rid`` (``tokens`` so far): tell decode the handoff is alive."""
+        req = self.reqs.get(rid)
+        if req is None or req.state is not PState.COMPUTING:
+            return []
+        return [Send(req.decode, Progress(rid, tokens))]
+
     def computed(self, rid: int, tokens: int, checksum: int, first_token: int,
                  first_logprob: TokenLogprob | None = None,
                  prompt_logprobs: list[TokenLogprob] | None = None) -> list[Action]:
@@ -107,6 +137,8 @@ class PrefillCore:
             return [Send(req.decode, Done(rid, tokens, checksum, first_token, first_logprob, prompt_logprobs))]
         if req.state is PState.ABORTING:
             return [Send(req.decode, AbortAck(rid))]
+        if req.state is PState.CANCELLING:
+            return self._fail(req, CANCELLED)
         return []
 
     def compute_failed(self, rid: int, err: KvfenceError) -> list[Action]:
@@ -116,7 +148,7 @@ class PrefillCore:
             return [Send(req.decode, AbortAck(rid))]
         if req.state is PState.ACKED:
             return []
-        return [Send(req.decode, Fail(rid, ErrorInfo.of(err))), self._reject(rid, err)]
+        return self._fail(req, CANCELLED if req.state is PState.CANCELLING else err)
 
     def peer_down(self, worker: str) -> list[Action]:
         """Decode ``worker`` died: stop work for it and tell the router."""
@@ -203,12 +235,29 @@ class PrefillCore:
         req.state = PState.ACKED  # unsafe: acknowledges while writes may still land
         return [StopPrefill(rid), Send(sender, AbortAck(rid))]
 
+    def _cancel(self, sender: str, rid: int) -> list[Action]:
+        """The router's client left during the handoff: stop computing between chunks; nothing is torn down
+        before the runner has drained (Fail promises decode that no write follows)."""
+        req = self.reqs.get(rid)
+        if req is None or sender != self.router or req.msg is None:
+            return []
+        if req.state is PState.WAIT_DEST:  # nothing computed, nothing written; decode hears from the router
+            del self.reqs[rid]
+            return [self._reject(rid, CANCELLED)]
+        if req.state is PState.COMPUTING:
+            req.state = PState.CANCELLING
+            return [StopPrefill(rid)]
+        return []
+
     def _peer_failed(self, sender: str, rid: int) -> list[Action]:
         """Decode failed the request before sending a Dest (e.g. its own admission)."""
         req = self.reqs.get(rid)
         if req is not None and req.decode == sender and req.state in (PState.WAIT_DEST, PState.WAIT_PREFILL):
             del self.reqs[rid]
         return []
+
+    def _fail(self, req: PrefillReq, err: KvfenceError) -> list[Action]:
+        return [Send(req.decode, Fail(req.rid, ErrorInfo.of(err))), self._reject(req.rid, err)]
 
     def _reject(self, rid: int, err: KvfenceError) -> Send:
         return Send(self.router, Reject(rid, ErrorInfo.of(err), self.me))

@@ -26,8 +26,11 @@ Contracts:
   counts toward the silence timeout.
 - An error from either leg ends the request with that error (L2); a request
   that any leg rejected never delivers a token afterwards.
-- A client that leaves during HANDOFF has its cancel held back until the
-  handoff ends (L7), so no KV transfer is torn down mid-flight.
+- A client that leaves during HANDOFF has its cancel to decode held back
+  until the handoff ends (L7), so no KV transfer is torn down mid-flight;
+  prefill hears at once (``Cancel``), stops computing between chunks, and
+  ends the handoff with a Reject (and a Fail to decode) once its writes have
+  drained.
 - Every request ends exactly once: with a finished output or an error.
 - A drained worker is never picked for a new request; its requests in flight
   go on as before. With every worker of a role drained, a new request gets 503.
@@ -173,8 +176,8 @@ class RouterCore:
         if req is None:
             return []
         if req.state is RState.HANDOFF and self.safety.deferred_abort:
-            req.cancel_pending = True  # L7: cancel once the handoff has ended
-            return []
+            req.cancel_pending = True  # L7: cancel decode once the handoff has ended; prefill stops computing now
+            return [Send(req.prefill, Cancel(rid))]
         self._end(req)
         return [Send(req.decode, Cancel(req.rid))] + self._dispatch()
 
@@ -465,8 +468,8 @@ class RouterCore:
         d.promise(req.prompt_len)
         params = Params.of(req.params)
         return [
-            Send(decode, Admit(rid, req.tenant, req.prompt_ids, params, prefill)),
-            Send(prefill, Prefill(rid, req.tenant, req.prompt_ids, params, decode, idle_pair)),
+            Send(decode, Admit(rid, req.tenant, req.prompt_ids, params, prefill, req.weight)),
+            Send(prefill, Prefill(rid, req.tenant, req.prompt_ids, params, decode, idle_pair, req.weight)),
         ]
 
     def _output_reserve(self, req: Request) -> int:

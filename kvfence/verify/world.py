@@ -62,7 +62,7 @@ from kvfence.core import IntegrityError, Request, SamplingParams, ServiceUnavail
 from kvfence.kvcache.layout import tokens_per_page
 from kvfence.kvcache.pages import PageGrant, PageState, PageTable
 from kvfence.protocol.actions import Action, Deliver, Send, StartDecode, StartPrefill, StopDecode, StopPrefill
-from kvfence.protocol.capacity import UNGATED, DispatchLimits, FairQueue, QueuePolicy
+from kvfence.protocol.capacity import UNGATED, DispatchLimits, FairQueue, FairShares, QueuePolicy
 from kvfence.protocol.decode import DecodeCore, DecodeLimits, DState
 from kvfence.protocol.messages import Envelope, ErrorInfo, Fenced, Hello, Message, Output, Peers, Reject, WorkerDown
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits, PState
@@ -137,11 +137,12 @@ class CheckConfig:
     # the router holds a request in its queue until its pair has room (production's DispatchLimits); off, it sends
     # every request at once, so decode's own wait for pages (the default requests' B behind A) stays explored
     router_gate: bool = False
-    # the protocol's own timeouts (seconds, as in production)
-    dest_timeout: int = 30
+    # the protocol's own timeouts (seconds, as in production: waits for pages and for a Dest are 4x the handoff's)
+    dest_timeout: int = 120
     orphan_dest_timeout: int = 5
     handoff_timeout: int = 30
     abort_timeout: int = 10
+    page_wait_timeout: int = 120
 
     def __post_init__(self) -> None:
         if self.network not in ("fifo", "any"):
@@ -369,7 +370,7 @@ class World:
 
     def _boot_decode(self, ghost: bool) -> None:
         c, node = self.cfg, self.decode
-        limits = DecodeLimits(c.max_context, c.page_size, c.handoff_timeout, c.abort_timeout)
+        limits = DecodeLimits(c.max_context, c.page_size, c.handoff_timeout, c.abort_timeout, c.page_wait_timeout)
         node.core = DecodeCore(DECODE, ROUTER, PageTable(c.pages), limits, c.safety,
                                PlaneVerifier(node, c.safety, c.page_size))
         node.plane = tuple(Label(GHOST_RID, 0, p, c.page_size) if ghost else ZEROS for p in range(c.pages))
@@ -675,6 +676,9 @@ class World:
         node.plane = tuple(plane)
         self._note(lambda: f"data plane: {self._name(w.rid)}'s KV lands in page {w.page} (tag epoch {w.epoch}, "
                    f"{_tokens(w.tokens)}{', corrupted' if w.corrupt else ''})")
+        run = self.prefill.runs.get(w.rid) if src == "run" else None
+        if run is not None and run.pending:  # a chunk before the last: the runner reports progress
+            self._prefill_do(self.prefill.core.progress(w.rid, self.cfg.page_size))
 
     def _ev_cancel(self, src: str, w: Write) -> None:
         self._remove_write(src, w)
@@ -1163,7 +1167,7 @@ def fmt(msg: Message, names: dict[int, str] | None = None) -> str:
     parts = []
     for k, v in fields.items():
         if k in ("params", "text", "prompt_tokens", "completion_tokens", "control", "data", "queued_tokens",
-                 "running", "free_pages", "max_context", "pool_tokens", "pid") and name != "Peers":
+                 "running", "free_pages", "max_context", "pool_tokens", "pid", "weight") and name != "Peers":
             continue
         if k == "rid":
             v = (names or {}).get(v, v)
@@ -1203,10 +1207,16 @@ def _copy_router(core: RouterCore) -> RouterCore:
 def _copy_queue(q: FairQueue) -> FairQueue:
     new = _copy_obj(q)
     new.queues = {t: type(d)(d) for t, d in q.queues.items()}  # entries are never changed: shared
-    new.tenant_of, new.started, new.served = dict(q.tenant_of), dict(q.started), dict(q.served)
+    new.tenant_of, new.started = dict(q.tenant_of), dict(q.started)
+    new.shares = _copy_shares(q.shares)
     new.buckets = {t: _copy_obj(b) for t, b in q.buckets.items()}
-    _copy_extra(q, new, ("policy", "queues", "tenant_of", "started", "served", "virtual_time", "buckets",
-                         "arrivals"))
+    _copy_extra(q, new, ("policy", "queues", "tenant_of", "started", "shares", "buckets", "arrivals"))
+    return new
+
+
+def _copy_shares(shares: FairShares) -> FairShares:
+    new = _copy_obj(shares)
+    new.served = dict(shares.served)
     return new
 
 
@@ -1232,9 +1242,11 @@ def _copy_decode(node: DecodeNode) -> DecodeNode:
             r.grants = list(r.grants)
         c.waiting = type(core.waiting)(core.waiting)
         c.held = dict(core.held)
+        c.shares = _copy_shares(core.shares)
         c.pages = _copy_pages(core.pages)
         c.verify = PlaneVerifier(new, core.verify.safety, core.verify.page_size)
-        _copy_extra(core, c, ("me", "router", "pages", "limits", "safety", "verify", "reqs", "waiting", "held"))
+        _copy_extra(core, c, ("me", "router", "pages", "limits", "safety", "verify", "reqs", "waiting", "held",
+                              "shares"))
     return new
 
 

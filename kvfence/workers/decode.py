@@ -38,7 +38,8 @@ class DecodeWorker(WorkerBase):
         self._engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
                               self.dtype, pool=pool, safety=self.safety, remote_writes=True)
         timeout = settings.handoff_timeout
-        limits = DecodeLimits(settings.max_context, settings.page_size, timeout, abort_timeout=min(10.0, timeout / 3))
+        limits = DecodeLimits(settings.max_context, settings.page_size, timeout, abort_timeout=min(10.0, timeout / 3),
+                              page_wait_timeout=settings.wait_timeout)
         self.core = DecodeCore(self.me, settings.router, self._engine.pages, limits, self.safety, self._verify)
         self.verified: dict[int, str] = {}  # rid -> how its landing was verified, for its last Output
         self.flip_random = self.faults.rng("flip") if self.faults and self.faults.flip else None
@@ -87,7 +88,7 @@ class DecodeWorker(WorkerBase):
     def execute(self, action: Action, now: float) -> list[Action]:
         if isinstance(action, StartDecode):
             a = action.admit
-            req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid)
+            req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid, weight=a.weight)
             self._engine.pool.from_host([g.page for g in action.grants])  # verified: what landed is what decodes
             out = self._engine.add_prefilled(req, action.grants, action.first_token, action.first_logprob,
                                              action.prompt_logprobs)
@@ -124,5 +125,6 @@ class DecodeWorker(WorkerBase):
         finish = out.finish_reason.value if isinstance(out.finish_reason, FinishReason) else None
         verification = self.verified.pop(out.rid, None) if finish else None
         return Output(out.rid, out.token_ids, out.text, finish, out.prompt_tokens, out.completion_tokens,
-                      out.pages, verification, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
+                      out.pages, verification, out.preemptions, logprobs=out.logprobs,
+                      prompt_logprobs=out.prompt_logprobs)
 

@@ -64,6 +64,7 @@ class PrefillRunner(Engine):
         self.initiator = initiator
         self.shipments: dict[int, Shipment] = {}
         self.draining: dict[int, Sequence] = {}
+        self.progressed: dict[int, int] = {}  # rid -> prompt tokens computed, for prompts that advanced this step
 
     @property
     def token_limit(self) -> int:
@@ -104,6 +105,7 @@ class PrefillRunner(Engine):
     def _computed(self, work: list[Work]) -> None:
         for w in work:
             self._ship(w.seq, final=False)
+            self.progressed[w.seq.rid] = w.end
 
     def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         ship = self.shipments[seq.rid]
@@ -170,7 +172,7 @@ class PrefillWorker(WorkerBase):
                                     self.dtype, pool=self.make_pool(settings.pool_tokens, self.initiator.buffer),
                                     initiator=self.initiator)
         timeout = settings.handoff_timeout
-        limits = PrefillLimits(settings.max_context, settings.pool_tokens, settings.page_size, timeout,
+        limits = PrefillLimits(settings.max_context, settings.pool_tokens, settings.page_size, settings.wait_timeout,
                                orphan_dest_timeout=min(5.0, timeout / 6))
         self.core = PrefillCore(self.me, settings.router, limits, self.safety, settings.emulate_incident)
         self.decodes: dict[str, dict] = {}
@@ -207,12 +209,16 @@ class PrefillWorker(WorkerBase):
 
     def step(self, now: float) -> list[Action]:
         self.set_threads(other_role_idle=self.core.idle_pair())
+        actions: list[Action] = []
         if self.runner.has_work:
             self.runner.step()
+            for rid, tokens in self.runner.progressed.items():
+                actions += self.core.progress(rid, tokens)
+            self.runner.progressed.clear()
             self.runner.settle(SETTLE_S)
         else:  # only writes draining: wait for them a little instead of spinning on a shared core
             self.runner.settle(DRAIN_POLL_S)
-        return self.collect()
+        return actions + self.collect()
 
     def collect(self) -> list[Action]:
         actions: list[Action] = []
@@ -249,7 +255,8 @@ class PrefillWorker(WorkerBase):
 
     def _start(self, start: StartPrefill) -> list[Action]:
         req = self.core.reqs[start.rid].msg
-        request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid)
+        request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid,
+                          weight=req.weight)
         try:
             descriptor = self.decodes[start.decode]
             dest = dest_layout(self.runner.pool.layout, descriptor)

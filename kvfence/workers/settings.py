@@ -31,8 +31,14 @@ class WorkerSettings:
     threads: int = 0  # CPU threads (0: torch's default)
     solo_threads: int = 0  # threads when the other role idles (decode: no prefill pending; prefill: idle_pair)
     log_level: str = "INFO"
-    handoff_timeout: float = 30.0  # each handoff step (decode: pages, then Done; prefill: Dest) may take this long
+    handoff_timeout: float = 30.0  # a handoff (pages granted -> Done) may go this long without progress
     cluster_key: ClusterKey | None = None  # membership (cluster.py); crosses the spawn in the pickle, never on disk
+
+    @property
+    def wait_timeout(self) -> float:
+        """How long a request may wait before its handoff starts (decode: for pages; prefill: for the Dest): as long
+        as the router's silence timeout, 4x the handoff timeout."""
+        return 4 * self.handoff_timeout
 
     def data_plane_options(self, side: str) -> dict:
         """Options for this worker's transfer backend (``side``: "target" on decode, "initiator" on prefill).
