@@ -4,11 +4,14 @@ no token yet is retried on another pair. The cores alone: tests/test_fencing.py.
 """
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import time
 from collections.abc import Callable
+from urllib.parse import quote
 
+import httpx
 import openai
 import pytest
 
@@ -24,9 +27,16 @@ def model() -> str:
 
 
 def serve(model: str, prefill: int, decode: int, *args: str, slow_step: float = 0.01) -> Server:
-    """Decode steps paced (KVFENCE_FAULTS slow_step) so that streams outlive a kill or a pause."""
-    return Server("--model", model, "--prefill", str(prefill), "--decode", str(decode), *COMMON, *args, admin=True,
-                  env={"KVFENCE_FAULTS": f"slow_step={slow_step}"})
+    """Every worker joined; decode steps paced (KVFENCE_FAULTS slow_step) so that streams outlive a kill or a
+    pause."""
+    server = Server("--model", model, "--prefill", str(prefill), "--decode", str(decode), *COMMON, *args,
+                    admin=True, env={"KVFENCE_FAULTS": f"slow_step={slow_step}"})
+    try:
+        wait_for("every worker", lambda: len(server.health()["workers"]) == prefill + decode)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def workers(server: Server, role: str) -> dict[str, dict]:
@@ -83,19 +93,32 @@ def test_a_killed_prefill_worker_spares_the_streams_whose_kv_has_landed(model):
         assert completion(server, "after the crash")
 
 
+def admin(server: Server, worker: str, action: str) -> None:
+    """Drain or undrain ``worker`` through the admin API."""
+    resp = httpx.post(f"{server.url}/admin/workers/{quote(worker, safe='')}/{action}",
+                      headers={"Authorization": f"Bearer {server.admin_key}"}, timeout=30)
+    assert resp.status_code == 200, resp.text
+
+
 def test_a_request_on_a_paused_prefill_worker_is_retried_on_another_and_the_worker_comes_back_clean(model):
-    """The paused prefill worker holds a request with no token yet: once it is declared dead the request goes to the
-    other prefill worker and succeeds. Resumed, the worker learns it was fenced, stops, answers decode for the pages
-    it was given (decode kept them quarantined meanwhile, L6) and rejoins under epoch 1."""
+    """The paused prefill worker holds a request with no token yet (the other one is drained until then): once it
+    is declared dead the request goes to the other prefill worker and succeeds. Resumed, the worker learns it was
+    fenced, stops, answers decode for the pages it was given (decode kept them quarantined meanwhile, L6) and
+    rejoins under epoch 1."""
     with serve(model, 2, 1, "--worker-timeout", "5") as server:
         prefills = workers(server, "prefill")
-        paused = min(prefills)  # both idle: the router picks the lowest id first
+        paused, other = sorted(prefills)
+        admin(server, other, "drain")
         os.kill(prefills[paused]["pid"], signal.SIGSTOP)
         try:
-            assert completion(server, "who answers this?")
-            after = server.health()
-            assert after["workers"].get(paused) is None  # declared dead
-            assert all(info["assigned"] == 1 for info in workers(server, "prefill").values())
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(completion, server, "who answers this?")
+                wait_for("the request to reach the paused worker",
+                         lambda: workers(server, "prefill")[paused]["in_flight"] == 1, 30)
+                admin(server, other, "undrain")
+                assert answer.result(120)
+            assert server.health()["workers"].get(paused) is None  # declared dead
+            assert [workers(server, "prefill")[other]["assigned"]] == [1]  # the retry
             [decode] = workers(server, "decode").values()
             assert decode["assigned"] == 2  # the first attempt and the retry
         finally:

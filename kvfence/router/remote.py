@@ -204,6 +204,7 @@ class RemoteEngine:
         """Suspect quiet workers, declare silent ones dead, and end requests that heard nothing for too long."""
         while True:
             await asyncio.sleep(0.5)
+            self._handle(self.channel.receive(0))  # judge silence on what has arrived, not on what is still unread
             now = time.monotonic()
             self._do(self.core.tick(now))
             for worker, seen in list(self._last_seen.items()):
