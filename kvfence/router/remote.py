@@ -96,7 +96,7 @@ class RemoteEngine:
                 "free_pages": h.free_pages, "total_pages": h.total_pages, "quarantined_pages": h.quarantined_pages,
                 "quarantine_reasons": h.quarantine_reasons,
                 "running": h.running, "pool_tokens": h.pool_tokens, "max_context": h.max_context,
-                "drained": h.worker in self.core.drained}
+                "drained": h.worker in self.core.drained, "cpu": h.cpu}
 
     # -- admin ----------------------------------------------------------------------
 
