@@ -30,6 +30,9 @@ TORCH_CAPS = {
                "ATEN_CPU_CAPABILITY": "avx512"},
     "avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
 }
+# variants beyond the flavours: "avx512-dense" is what an AVX-512 CPU without AMX ran before the kernels of issue #20
+# (GGUF blocks dequantized to bf16 at load, no int8, torch's SDPA for prefill attention)
+VARIANTS = {"avx512-dense": ("avx512", {"KVFENCE_KEEP_BLOCKS": "0", "KVFENCE_PREFILL_ATTENTION": "0"})}
 
 
 def child() -> None:
@@ -39,6 +42,9 @@ def child() -> None:
     from kvfence.model import kernels
     from kvfence.model.loader import freeze_loaded_objects, load_model
 
+    threads = int(os.environ.get("BENCH_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
     loaded = load_model("smollm2-135m", dtype=torch.bfloat16)
     kv = KvfenceRunner(loaded, torch.bfloat16, "cpu")
     warm = Request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
@@ -67,8 +73,11 @@ def cpu_description() -> tuple[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--flavours", default="amx,avx512,avx2", help="KVFENCE_CPU values, in order")
+    ap.add_argument("--flavours", default="amx,avx512,avx2", help=f"KVFENCE_CPU values or {', '.join(VARIANTS)}")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="threads per child (0: torch's default); 1 where other work shares the cores (an OpenMP "
+                         "barrier waits for a thread the OS took away)")
     ap.add_argument("--json", default="bench/results/capabilities.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -76,8 +85,10 @@ def main() -> None:
         return child()
     procs, caps = {}, {}
     for flavour in args.flavours.split(","):
-        env = {**os.environ, **TORCH_CAPS.get(flavour, {}), "KVFENCE_CPU": flavour,
-               "NEW_TOKENS": str(args.new_tokens)}
+        cpu, extra = VARIANTS.get(flavour, (flavour, {}))
+        env = {**os.environ, **TORCH_CAPS.get(cpu, {}), **extra, "KVFENCE_CPU": cpu,
+               "NEW_TOKENS": str(args.new_tokens),
+               "BENCH_THREADS": str(args.threads)}
         procs[flavour] = subprocess.Popen([sys.executable, __file__, "--child"], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True, env=env)
     for flavour, p in procs.items():
@@ -100,14 +111,16 @@ def main() -> None:
     name, flags = cpu_description()
     header = "| flavour | " + " | ".join(
         f"{'decode batch' if k == 'decode' else 'prefill'} {n}" for k, n in WORKLOADS) + " |"
-    lines = [f"CPU: {name}; flags: {flags}; {torch.get_num_threads()} threads; best of {args.rounds} interleaved "
+    threads = args.threads or torch.get_num_threads()
+    lines = [f"CPU: {name}; flags: {flags}; {threads} thread(s) each; best of {args.rounds} interleaved "
              f"rounds ({time.perf_counter() - t0:.0f}s), tok/s", "", header, "|---" * (len(WORKLOADS) + 1) + "|"]
     for flavour in procs:
-        lines.append(f"| `KVFENCE_CPU={flavour}` | " + " | ".join(
+        lines.append(f"| {flavour} | " + " | ".join(
             f"{best[(flavour, f'{k} {n}')]:.1f}" for k, n in WORKLOADS) + " |")
     print("\n".join(lines))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"cpu": name, "flags": flags, "capabilities": caps, "rounds": args.rounds,
+    Path(args.json).write_text(json.dumps({"cpu": name, "flags": flags, "threads": threads, "capabilities": caps,
+                                           "rounds": args.rounds,
                                            "tok_s": {f"{f} {w}": v for (f, w), v in best.items()}}, indent=2))
 
 

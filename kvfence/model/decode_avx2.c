@@ -318,28 +318,67 @@ static void quantize_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, 
         }
 }
 
-/* One block's integer sums (8 lanes: weight rows 8 hf .. 8 hf + 7 of a group) against x block xq (8 quads). */
-static inline __m256i block_isum(const uint8_t *gb, int fmt, int hf, const int32_t *xq) {
-    const __m256i ones = _mm256_set1_epi16(1);
+/* One block's weights for rows 8 hf .. 8 hf + 7 of a group as vpmaddubsw operands: w[j] holds weights 4j .. 4j + 3
+ * of each row (Q4_1: the 4-bit values; Q8_0: |w|, with the signed weights in s[j]). */
+static inline void block_weights(const uint8_t *gb, int fmt, int hf, __m256i w[8], __m256i s[8]) {
     if (fmt == FMT_Q4_1) {
         const __m256i low = _mm256_set1_epi8(0x0f);
-        __m256i s16 = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 64 + 64 * p + 32 * hf));
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_set1_epi32(xq[2 * p])));
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                                             _mm256_set1_epi32(xq[2 * p + 1])));
+            w[2 * p] = _mm256_and_si256(v, low);
+            w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
+        return;
+    }
+    for (int j = 0; j < 8; j++) {
+        s[j] = _mm256_loadu_si256((const __m256i *)(gb + 64 + 64 * j + 32 * hf));
+        w[j] = _mm256_abs_epi8(s[j]);
+    }
+}
+
+/* The integer sums of one x block (8 quads xq) against block_weights' operands: 8 lanes, one per weight row. */
+static inline __m256i block_isum(const __m256i w[8], const __m256i s[8], int fmt, const int32_t *xq) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (fmt == FMT_Q4_1) {
+        __m256i s16 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xq[j])));
         return _mm256_madd_epi16(s16, ones);
     }
     __m256i s32 = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(gb + 64 + 64 * j + 32 * hf));
-        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), w); /* x with w's sign; 0 where w is 0 */
-        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), xs), ones));
+    for (int j = 0; j < 8; j++) { /* |w| against x with w's sign (0 where w is 0) */
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), s[j]);
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xs), ones));
     }
     return s32;
 }
+
+/* Rows [m0, m0 + R) of x (quantized: qx, dx, sx) against rows 8 hf .. 8 hf + 7 of one group -> acc; R and FMT are
+ * constants at each call, so the loops unroll and acc stays in registers. */
+static inline __attribute__((always_inline)) void q8_rows(const uint8_t *wg, const int FMT, int64_t nb, int hf,
+                                                          const int8_t *qx, const float *dx, const float *sx, int64_t K,
+                                                          int64_t m0, const int R, __m256 *acc) {
+    const int64_t bbytes = FMT == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = wg + b * bbytes;
+        if (m0 == 0 && hf == 0) /* the first pass over a group streams the next group's block in */
+            for (int64_t l = 0; l < bbytes; l += 64) _mm_prefetch((const char *)gb + nb * bbytes + l, _MM_HINT_T2);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 16 * hf)));
+        const __m256 mn = FMT == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 32 + 16 * hf)))
+                                          : _mm256_setzero_ps();
+        __m256i wv[8], sv[8];
+        block_weights(gb, FMT, hf, wv, sv);
+        UNROLL for (int r = 0; r < R; r++) {
+            const int64_t m = m0 + r;
+            const __m256i isum = block_isum(wv, sv, FMT, (const int32_t *)(qx + m * K + 32 * b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx[m * nb + b])), acc[r]);
+            if (FMT == FMT_Q4_1) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[m * nb + b]), acc[r]);
+        }
+    }
+}
+
+#define Q8_FMT(F, R) q8_rows(wg, F, nb, hf, qx, dx, sx, K, m0, R, acc)
+#define Q8_R(R) do { if (fmt == FMT_Q4_1) Q8_FMT(FMT_Q4_1, R); else Q8_FMT(FMT_Q8_0, R); } while (0)
 
 /* y = x w^T for w as N / 16 groups of K / 32 blocks (FMT_Q4_1 or FMT_Q8_0): decode_gemm.c's kvf_gemm_q8. N % 16
  * == 0 and K % 32 == 0 (the caller checks). Threads split the groups. */
@@ -355,21 +394,12 @@ void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint
         for (int hf = 0; hf < 2; hf++)
             for (int64_t m0 = 0; m0 < M; m0 += 4) {
                 const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
-                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                for (int64_t b = 0; b < nb; b++) {
-                    const uint8_t *gb = wg + b * bbytes;
-                    if (m0 == 0 && hf == 0) /* the first pass over a group streams the next group's block in */
-                        for (int64_t l = 0; l < bbytes; l += 64) _mm_prefetch((const char *)gb + nb * bbytes + l, _MM_HINT_T2);
-                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 16 * hf)));
-                    const __m256 mn = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 32 + 16 * hf)))
-                                                      : _mm256_setzero_ps();
-                    for (int r = 0; r < rows; r++) {
-                        const int64_t m = m0 + r;
-                        const __m256i isum = block_isum(gb, fmt, hf, (const int32_t *)(qx + m * K + 32 * b));
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx[m * nb + b])),
-                                                 acc[r]);
-                        if (fmt == FMT_Q4_1) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[m * nb + b]), acc[r]);
-                    }
+                __m256 acc[4];
+                switch (rows) {
+                case 1: Q8_R(1); break;
+                case 2: Q8_R(2); break;
+                case 3: Q8_R(3); break;
+                default: Q8_R(4); break;
                 }
                 for (int r = 0; r < rows; r++) store8(y + (m0 + r) * ldy + 16 * g + 8 * hf, acc[r]);
             }
