@@ -627,6 +627,21 @@ def test_capabilities_follow_the_cpu_and_the_override():
     assert bad.returncode != 0 and "KVFENCE_CPU='sse2'" in bad.stderr, bad.stderr[-500:]
 
 
+def test_a_flavour_that_does_not_build_falls_back_to_the_next(tmp_path):
+    """A compiler without the AMX flags (an older gcc): the AVX-512 source builds without them instead, and a CPU
+    without AVX-512 goes on to the AVX2 one."""
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *-mamx-tile*) echo "unrecognized -mamx-tile" >&2; exit 1;; esac\n'
+                  f'exec {shutil.which("cc") or "cc"} "$@"\n')
+    cc.chmod(0o755)
+    env = {**os.environ, "CC": str(cc), "KVFENCE_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("KVFENCE_CPU", None)
+    run = subprocess.run([sys.executable, "-c", "from kvfence.model import kernels; print(kernels.detect().flavour)"],
+                         env=env, capture_output=True, text=True, timeout=280)
+    want = next((f for f in ("avx512", "avx2") if kernels._cpu_has(*kernels._FLAVOURS[f][1])), None)
+    assert run.stdout.strip() == str(want), run.stderr[-1000:]
+
+
 # the kernel and model tests above, rerun under every flavour below this host's own (each in a fresh process: the
 # flavour is fixed per process), and with no C kernels at all (no compiler)
 KERNEL_TESTS = ("kernel or decode_gemm or rope_write or silu or block or thread_count or int8 or one_c_call "
