@@ -627,6 +627,25 @@ def test_capabilities_follow_the_cpu_and_the_override():
     assert bad.returncode != 0 and "KVFENCE_CPU='sse2'" in bad.stderr, bad.stderr[-500:]
 
 
+@needs_kernels
+def test_the_ctypes_structs_match_decode_step_h():
+    """What ``kernels`` checks at load, field by field by name: it would catch a field added, dropped, retyped or
+    reordered on one side only."""
+    import ctypes
+
+    lib, layer, step = kernels.library(), kernels.DecodeLayer, kernels.DecodeStep
+    assert kernels.layout_mismatch(lib, {"decode_layer": layer, "decode_step": step}) is None
+
+    def struct(fields: list) -> type[ctypes.Structure]:
+        return type("Wrong", (ctypes.Structure,), {"_fields_": fields})
+
+    f = step._fields_
+    wrong = {"reordered": struct([f[1], f[0], *f[2:]]), "dropped": struct(f[:-1]),
+             "added": struct([*f, ("extra", ctypes.c_int64)]), "retyped": struct([(f[0][0], ctypes.c_int32), *f[1:]])}
+    for how, st in wrong.items():
+        assert kernels.layout_mismatch(lib, {"decode_layer": layer, "decode_step": st}) is not None, how
+
+
 def test_a_flavour_that_does_not_build_falls_back_to_the_next(tmp_path):
     """A compiler without the AMX flags (an older gcc): the AVX-512 source builds without them instead, and a CPU
     without AVX-512 goes on to the AVX2 one."""

@@ -25,27 +25,32 @@ typedef struct { /* the step: sizes, buffers ([T] rows of unit stride), rotary t
     const int64_t *write, *read, *starts;
 } decode_step;
 
-#define FIELD(T, f) offsetof(T, f)
-/* sizeof, then every field's offset in declaration order: decode_layer's 12 values, then decode_step's 24. */
-int64_t kvf_layout(int64_t *out) {
-    const int64_t v[] = {
-        sizeof(decode_layer), FIELD(decode_layer, qkv), FIELD(decode_layer, o), FIELD(decode_layer, gate_up),
-        FIELD(decode_layer, down), FIELD(decode_layer, qkv_fmt), FIELD(decode_layer, o_fmt),
-        FIELD(decode_layer, gate_up_fmt), FIELD(decode_layer, down_fmt), FIELD(decode_layer, attn_norm),
-        FIELD(decode_layer, mlp_norm), FIELD(decode_layer, kv),
-        sizeof(decode_step), FIELD(decode_step, T), FIELD(decode_step, H), FIELD(decode_step, KV),
-        FIELD(decode_step, D), FIELD(decode_step, hidden), FIELD(decode_step, F2), FIELD(decode_step, slot_stride),
-        FIELD(decode_step, threads), FIELD(decode_step, light), FIELD(decode_step, eps), FIELD(decode_step, scale),
-        FIELD(decode_step, x), FIELD(decode_step, h), FIELD(decode_step, proj), FIELD(decode_step, qkv),
-        FIELD(decode_step, attn), FIELD(decode_step, gate_up), FIELD(decode_step, act), FIELD(decode_step, cos),
-        FIELD(decode_step, sin), FIELD(decode_step, write), FIELD(decode_step, read), FIELD(decode_step, starts),
-    };
+/* Every field of both structs, in declaration order: kvf_layout reports their offsets, sizes and names. */
+#define LAYOUT(X)                                                                                                \
+    X(decode_layer, qkv) X(decode_layer, o) X(decode_layer, gate_up) X(decode_layer, down)                       \
+    X(decode_layer, qkv_fmt) X(decode_layer, o_fmt) X(decode_layer, gate_up_fmt) X(decode_layer, down_fmt)       \
+    X(decode_layer, attn_norm) X(decode_layer, mlp_norm) X(decode_layer, kv)                                     \
+    X(decode_step, T) X(decode_step, H) X(decode_step, KV) X(decode_step, D) X(decode_step, hidden)              \
+    X(decode_step, F2) X(decode_step, slot_stride) X(decode_step, threads) X(decode_step, light)                 \
+    X(decode_step, eps) X(decode_step, scale) X(decode_step, x) X(decode_step, h) X(decode_step, proj)           \
+    X(decode_step, qkv) X(decode_step, attn) X(decode_step, gate_up) X(decode_step, act) X(decode_step, cos)     \
+    X(decode_step, sin) X(decode_step, write) X(decode_step, read) X(decode_step, starts)
+#define OFFSET(T, f) (int64_t) offsetof(T, f), (int64_t) sizeof(((T *)0)->f),
+#define NAME(T, f) #T "." #f ","
+
+/* Writes every field's offset and size, then sizeof(decode_layer) and sizeof(decode_step), to out (unless NULL);
+ * returns how many values that is. ``*names`` (unless NULL) gets the fields' names ("struct.field") and then
+ * "sizeof.decode_layer" and "sizeof.decode_step", comma-separated, in the same order. */
+int64_t kvf_layout(int64_t *out, const char **names) {
+    const int64_t v[] = {LAYOUT(OFFSET)(int64_t) sizeof(decode_layer), (int64_t) sizeof(decode_step)};
     const int64_t n = sizeof v / sizeof v[0];
     if (out)
         for (int64_t i = 0; i < n; i++) out[i] = v[i];
+    if (names) *names = LAYOUT(NAME) "sizeof.decode_layer,sizeof.decode_step";
     return n;
 }
-#undef FIELD
+#undef OFFSET
+#undef NAME
 
 void kvf_decode_layers(const decode_step *s, const decode_layer *layers, int64_t n) {
     const int64_t T = s->T, hidden = s->hidden, F = s->F2 / 2, width = (s->H + 2 * s->KV) * s->D;

@@ -156,9 +156,21 @@ class DecodeStep(ctypes.Structure):
                                                   "write", "read", "starts")])
 
 
-def _layout(*structs: type[ctypes.Structure]) -> list[int]:
-    """sizeof, then each field's offset, per struct: what ``kvf_layout`` reports for the C ones."""
-    return [v for st in structs for v in (ctypes.sizeof(st), *(getattr(st, f).offset for f, _ in st._fields_))]
+def layout_mismatch(so: ctypes.CDLL, structs: dict[str, type[ctypes.Structure]]) -> str | None:
+    """How the ctypes ``structs`` (by C name) differ from what ``kvf_layout`` reports of the C ones: a field's
+    offset or size or a struct's size, matched by name, and fields only one side has; None if they agree."""
+    names = ctypes.c_char_p()
+    values = (ctypes.c_int64 * so.kvf_layout(None, None))()
+    so.kvf_layout(values, ctypes.byref(names))
+    names = names.value.decode().split(",")
+    fields, sizes = names[:-2], names[-2:]
+    c_side = {name: tuple(values[2 * i : 2 * i + 2]) for i, name in enumerate(fields)}
+    c_side |= {name: (values[2 * len(fields) + i],) for i, name in enumerate(sizes)}
+    ours = {f"{s}.{f}": (getattr(st, f).offset, getattr(st, f).size)
+            for s, st in structs.items() for f, _ in st._fields_}
+    ours |= {f"sizeof.{s}": (ctypes.sizeof(st),) for s, st in structs.items()}
+    wrong = sorted(n for n in c_side.keys() | ours.keys() if c_side.get(n) != ours.get(n))
+    return ", ".join(f"{n}: {c_side.get(n)} in C, {ours.get(n)} in ctypes" for n in wrong) or None
 
 
 def _load(name: str) -> ctypes.CDLL | None:
@@ -176,11 +188,11 @@ def _load(name: str) -> ctypes.CDLL | None:
         return None
     for fn, args in [*_SIGNATURES.items(), *((f, a) for f, a in _OPTIONAL.items() if hasattr(so, f))]:
         getattr(so, fn).argtypes, getattr(so, fn).restype = args, None
-    so.kvf_layout.argtypes, so.kvf_layout.restype = [ctypes.c_void_p], ctypes.c_int64
-    layout = (ctypes.c_int64 * so.kvf_layout(None))()
-    so.kvf_layout(layout)
-    if list(layout) != _layout(DecodeLayer, DecodeStep):
-        raise RuntimeError(f"{source.name}: decode_step.h's structs differ from kernels.DecodeLayer/DecodeStep")
+    so.kvf_layout.argtypes, so.kvf_layout.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int64
+    problem = layout_mismatch(so, {"decode_layer": DecodeLayer, "decode_step": DecodeStep})
+    if problem:
+        raise RuntimeError(f"{source.name}: decode_step.h's structs differ from kernels.DecodeLayer/DecodeStep: "
+                           f"{problem}")
     return so
 
 
