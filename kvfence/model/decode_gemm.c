@@ -6,8 +6,13 @@
  * row m of x and w only: batch-invariant by construction, not by calibration.
  *
  * Threads split N (contiguous ranges of weight rows, each streamed once); within a range, blocks of 16 weight rows
- * stay in L1/L2 while every x row passes over them (4 x rows by 4 weight rows at a time, then single rows). Built by kernels.py with
- * -O3 -mavx512f -mavx512bw -mavx512bf16 -fopenmp; sharing torch's libgomp (same soname) keeps one thread pool.
+ * stay in L1/L2 while every x row passes over them (4 x rows by 4 weight rows at a time, then single rows).
+ *
+ * Built by kernels.py twice over: flavour "amx" with -mamx-tile -mamx-bf16 -mamx-int8 -mavx512vnni (the sections
+ * under __AMX_TILE__ / __AMX_BF16__ / __AMX_INT8__: tile products and prefill attention on tiles), and flavour
+ * "avx512" without them (vectors only; -mavx512vnni where the CPU has it, for the int8 section); both with -O3
+ * -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mf16c -fopenmp. Sharing torch's libgomp (same soname) keeps one
+ * thread pool.
  */
 #include <immintrin.h>
 #include <stdint.h>
