@@ -85,6 +85,17 @@ def workers(server: Server, role: str) -> dict[str, dict]:
     return {w: info for w, info in server.health()["workers"].items() if info["role"] == role}
 
 
+def test_workers_report_their_cpu_capabilities_in_the_health_detail(model, four_workers):
+    """Each worker's Hello carries what its model computes with (``kernels.detect()``; the workers inherit this
+    process's environment, so the same host and overrides), and the colocated engine's health says the same."""
+    from kvfence.model import kernels
+
+    want = kernels.detect().summary()
+    assert {info["cpu"] for info in four_workers.health()["workers"].values()} == {want}
+    with Server("--mode", "colocated", "--model", model, *COMMON, admin=True) as colocated:
+        assert colocated.health()["cpu"] == want
+
+
 def test_load_is_spread_and_streams_arrive_in_order(four_workers):
     async def stream(client, i: int) -> list[str]:
         out = await client.completions.create(model="llama", prompt=f"count {i}", max_tokens=24, stream=True,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvfence.core import KvfenceError, Request, RequestOutput, ServiceUnavailable
 from kvfence.engine.engine import Engine
+from kvfence.model import kernels
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class LocalEngine:
             "kv_pages_total": e.pages.num_pages,
             "kv_pages_free": e.pages.num_free,
             "preemptions": e.scheduler.num_preempted,
+            **({"cpu": kernels.detect().summary()} if e.model.device.type == "cpu" else {}),
         }
 
     def close(self) -> None:

@@ -90,10 +90,11 @@ static inline void store_n(__m256 r, int n, uint16_t *y) {
     memcpy(y, tmp, n * sizeof(uint16_t));
 }
 
-/* This thread's fp32 buffer ``slot`` (0: the caller's x, 1: a task's weight rows) of at least n values. */
+/* This thread's fp32 buffer ``slot`` (0: the caller's x, 1: a task's weight rows, 2: quantized x) of at least n
+ * values. */
 static float *f32_buffer(int slot, int64_t n) {
-    static __thread float *buf[2];
-    static __thread int64_t cap[2];
+    static __thread float *buf[3];
+    static __thread int64_t cap[3];
     if (n > cap[slot]) {
         free(buf[slot]);
         cap[slot] = n + n / 2;
@@ -273,6 +274,138 @@ void kvf_gemm_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, 
     gemm(x, ldx, w, fmt, K / 32 * BLOCK_BYTES[fmt], y, ldy, M, N, K, nthreads);
 }
 
+/* ---- rows on int8: decode_gemm.c's int8 contract, bit for bit ------------------------------------------------
+ *
+ * The same quantization of x per block of 32, the same exact integer block sums and the same fma sequence per
+ * block in each lane, on ``DecodeBlocks`` (blocks.py): so the bits of decode_gemm.c's kvf_gemm_q8, 8 weight rows
+ * per vector instead of 16. The sums use vpmaddubsw, which cannot saturate here: Q4_1 takes unsigned 4-bit
+ * weights against x (a 16-bit lane is at most 2 x 15 x 127, and eight of them 30,480), Q8_0 takes |w| <= 128
+ * against x with w's sign (at most 2 x 128 x 127 = 32,512 per lane, widened before the next is added).
+ */
+enum { Q41_GROUP_BLOCK = 320, Q80_GROUP_BLOCK = 576 };
+
+static inline float max8(__m256 v) {
+    const __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 n = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(n, _mm_movehdup_ps(n)));
+}
+
+static inline int32_t sum8i(__m256i v) {
+    const __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i n = _mm_add_epi32(m, _mm_unpackhi_epi64(m, m));
+    return _mm_cvtsi128_si32(_mm_add_epi32(n, _mm_shuffle_epi32(n, 1)));
+}
+
+/* x rows -> qx (int8 [M][K]), dx and sx ([M][K / 32]): decode_gemm.c's quantize_rows. */
+static void quantize_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int8_t *qx, float *dx, float *sx) {
+    const int64_t nb = K / 32;
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            __m256 v[4];
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) v[i] = load8(x + m * ldx + 32 * b + 8 * i);
+            const float amax = max8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+                                                  _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs))));
+            const __m256 scale = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale)); /* nearest even */
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(qx + m * K + 32 * b),
+                                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            dx[m * nb + b] = amax / 127.0f;
+            const int32_t total = sum8i(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+            sx[m * nb + b] = dx[m * nb + b] * (float)total;
+        }
+}
+
+/* One block's weights for rows 8 hf .. 8 hf + 7 of a group as vpmaddubsw operands: w[j] holds weights 4j .. 4j + 3
+ * of each row (Q4_1: the 4-bit values; Q8_0: |w|, with the signed weights in s[j]). */
+static inline void block_weights(const uint8_t *gb, int fmt, int hf, __m256i w[8], __m256i s[8]) {
+    if (fmt == FMT_Q4_1) {
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        for (int p = 0; p < 4; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 64 + 64 * p + 32 * hf));
+            w[2 * p] = _mm256_and_si256(v, low);
+            w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        return;
+    }
+    for (int j = 0; j < 8; j++) {
+        s[j] = _mm256_loadu_si256((const __m256i *)(gb + 64 + 64 * j + 32 * hf));
+        w[j] = _mm256_abs_epi8(s[j]);
+    }
+}
+
+/* The integer sums of one x block (8 quads xq) against block_weights' operands: 8 lanes, one per weight row. */
+static inline __m256i block_isum(const __m256i w[8], const __m256i s[8], int fmt, const int32_t *xq) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (fmt == FMT_Q4_1) {
+        __m256i s16 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xq[j])));
+        return _mm256_madd_epi16(s16, ones);
+    }
+    __m256i s32 = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) { /* |w| against x with w's sign (0 where w is 0) */
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), s[j]);
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xs), ones));
+    }
+    return s32;
+}
+
+/* Rows [m0, m0 + R) of x (quantized: qx, dx, sx) against rows 8 hf .. 8 hf + 7 of one group -> acc; R and FMT are
+ * constants at each call, so the loops unroll and acc stays in registers. */
+static inline __attribute__((always_inline)) void q8_rows(const uint8_t *wg, const int FMT, int64_t nb, int hf,
+                                                          const int8_t *qx, const float *dx, const float *sx, int64_t K,
+                                                          int64_t m0, const int R, __m256 *acc) {
+    const int64_t bbytes = FMT == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = wg + b * bbytes;
+        if (m0 == 0 && hf == 0) /* the first pass over a group streams the next group's block in */
+            for (int64_t l = 0; l < bbytes; l += 64) _mm_prefetch((const char *)gb + nb * bbytes + l, _MM_HINT_T2);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 16 * hf)));
+        const __m256 mn = FMT == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 32 + 16 * hf)))
+                                          : _mm256_setzero_ps();
+        __m256i wv[8], sv[8];
+        block_weights(gb, FMT, hf, wv, sv);
+        UNROLL for (int r = 0; r < R; r++) {
+            const int64_t m = m0 + r;
+            const __m256i isum = block_isum(wv, sv, FMT, (const int32_t *)(qx + m * K + 32 * b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx[m * nb + b])), acc[r]);
+            if (FMT == FMT_Q4_1) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[m * nb + b]), acc[r]);
+        }
+    }
+}
+
+#define Q8_FMT(F, R) q8_rows(wg, F, nb, hf, qx, dx, sx, K, m0, R, acc)
+#define Q8_R(R) do { if (fmt == FMT_Q4_1) Q8_FMT(FMT_Q4_1, R); else Q8_FMT(FMT_Q8_0, R); } while (0)
+
+/* y = x w^T for w as N / 16 groups of K / 32 blocks (FMT_Q4_1 or FMT_Q8_0): decode_gemm.c's kvf_gemm_q8. N % 16
+ * == 0 and K % 32 == 0 (the caller checks). Threads split the groups. */
+void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy, int64_t M,
+                 int64_t N, int64_t K, int nthreads) {
+    const int64_t nb = K / 32, groups = N / 16, bbytes = fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
+    int8_t *qx = (int8_t *)f32_buffer(2, (M * K + 3) / 4 + 2 * M * nb);
+    float *dx = (float *)qx + (M * K + 3) / 4, *sx = dx + M * nb;
+    quantize_rows(x, ldx, M, K, qx, dx, sx);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wg = w + g * nb * bbytes;
+        for (int hf = 0; hf < 2; hf++)
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
+                __m256 acc[4];
+                switch (rows) {
+                case 1: Q8_R(1); break;
+                case 2: Q8_R(2); break;
+                case 3: Q8_R(3); break;
+                default: Q8_R(4); break;
+                }
+                for (int r = 0; r < rows; r++) store8(y + (m0 + r) * ldy + 16 * g + 8 * hf, acc[r]);
+            }
+    }
+}
+
 /* ---- decode attention straight from the pool: one task per (sequence, KV head), as in decode_gemm.c ---------- */
 
 /* e^x for x <= 0 (Cody-Waite reduction, degree-7 polynomial): about 1 ulp, and the same on every call. */
@@ -363,6 +496,110 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
     }
 }
 
+/* ---- prefill attention: one task per query head, all in fp32 -------------------------------------------------
+ *
+ * A task packs its K/V head for the sequence's S positions (K per 8 positions, d-major: [S / 8][D][8]; V [S][D]),
+ * then its queries go 4 at a time: each score is its own fma chain over d (ascending), a float32 softmax over the
+ * positions the row sees (row i of the chunk sees S - n + i + 1), and the row's weighted sum of V position by
+ * position, ascending, then times 1 / the weights' sum. A row's steps depend on nothing but its own query and its
+ * sequence, so a chunk's result is the same in any batch and on any thread count. D is 32 or 64. */
+#define ATTN_MAX_D 64
+
+/* Scores of 4 query rows (fp32, ATTN_MAX_D apart) against NB blocks of 8 packed positions from j0, into sc (rows
+ * ld apart): 4 NB independent chains, each its own sum over d, ascending. */
+#define SCORES(NB)                                                                                               \
+    static inline void scores_##NB(const float *qf, int64_t D, const float *kt, int64_t j0, float *sc, int64_t ld) { \
+        __m256 acc[4 * NB];                                                                                      \
+        UNROLL for (int i = 0; i < 4 * NB; i++) acc[i] = _mm256_setzero_ps();                                    \
+        for (int64_t d = 0; d < D; d++) {                                                                        \
+            __m256 k[NB];                                                                                        \
+            UNROLL for (int b = 0; b < NB; b++) k[b] = _mm256_load_ps(kt + ((j0 / 8 + b) * D + d) * 8);         \
+            UNROLL for (int r = 0; r < 4; r++) {                                                                 \
+                const __m256 qv = _mm256_broadcast_ss(qf + r * ATTN_MAX_D + d);                                  \
+                UNROLL for (int b = 0; b < NB; b++) acc[r * NB + b] = _mm256_fmadd_ps(qv, k[b], acc[r * NB + b]); \
+            }                                                                                                    \
+        }                                                                                                        \
+        UNROLL for (int r = 0; r < 4; r++)                                                                       \
+            UNROLL for (int b = 0; b < NB; b++) _mm256_storeu_ps(sc + r * ld + j0 + 8 * b, acc[r * NB + b]);     \
+    }
+SCORES(2)
+SCORES(1)
+
+/* o = sum over positions j < seen of w[j] V[j] (V fp32 rows of D = 8 DV), ascending, DV independent chains. */
+#define WEIGH_V(DV)                                                                                              \
+    static inline void weigh_v_##DV(const float *w, const float *vf, int64_t seen, __m256 *out) {                \
+        __m256 o[DV];                                                                                            \
+        UNROLL for (int c = 0; c < DV; c++) o[c] = _mm256_setzero_ps();                                          \
+        for (int64_t j = 0; j < seen; j++) {                                                                     \
+            const __m256 pj = _mm256_broadcast_ss(w + j);                                                        \
+            UNROLL for (int c = 0; c < DV; c++) o[c] = _mm256_fmadd_ps(pj, _mm256_load_ps(vf + j * 8 * DV + 8 * c), o[c]); \
+        }                                                                                                        \
+        UNROLL for (int c = 0; c < DV; c++) out[c] = o[c];                                                       \
+    }
+WEIGH_V(8)
+WEIGH_V(4)
+
+/* The softmax weights of a score row over the ``seen`` positions it sees: exp(scale s - max) in place, zero past
+ * seen up to the next multiple of 8; returns 1 / their sum (8 lanes, then sum1). */
+static inline float softmax_row(float *row, int64_t seen, float scale) {
+    const __m256 sv = _mm256_set1_ps(scale), iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 mx = _mm256_set1_ps(-FLT_MAX), sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < seen; j += 8) {
+        const __m256 live = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)j), iota), _mm256_set1_ps((float)seen),
+                                          _CMP_LT_OQ);
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), _mm256_mul_ps(_mm256_loadu_ps(row + j), sv), live));
+    }
+    const __m256 mv = _mm256_set1_ps(max8(mx));
+    for (int64_t j = 0; j < seen; j += 8) {
+        const __m256 live = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)j), iota), _mm256_set1_ps((float)seen),
+                                          _CMP_LT_OQ);
+        const __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(row + j), sv), mv)), live);
+        _mm256_storeu_ps(row + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return 1.0f / sum1(sum);
+}
+
+void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, int64_t slot_stride,
+                           const int64_t *slots, int64_t n, int64_t S, int64_t H, int64_t KV, int64_t D, float scale,
+                           uint16_t *out, int64_t ldo, int nthreads) {
+    const int64_t G = H / KV, S8 = (S + 7) / 8 * 8, DV = D / 8;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *kt = aligned_alloc(64, S8 * D * 4), *vf = aligned_alloc(64, S * D * 4 + 64);
+        float *sc = aligned_alloc(64, 4 * S8 * 4);
+        float qf[4 * ATTN_MAX_D] __attribute__((aligned(32)));
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t hk = h / G;
+            for (int64_t j = 0; j < S8; j++)
+                for (int64_t d = 0; d < D; d++)
+                    kt[(j / 8 * D + d) * 8 + j % 8] = j < S ? bf16_to_f32(kv[slots[j] * slot_stride + hk * D + d]) : 0.0f;
+            for (int64_t j = 0; j < S; j++)
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_store_ps(vf + j * D + d, load8(kv + slots[j] * slot_stride + (KV + hk) * D + d));
+            for (int64_t i0 = 0; i0 < n; i0 += 4) {
+                const int64_t rows = n - i0 < 4 ? n - i0 : 4, keys8 = (S - n + i0 + rows + 7) / 8 * 8;
+                memset(qf, 0, sizeof qf); /* rows past ``rows``: zero queries, scores unused */
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t d = 0; d < D; d++) qf[r * ATTN_MAX_D + d] = bf16_to_f32(q[(i0 + r) * ldq + h * D + d]);
+                int64_t j0 = 0;
+                for (; j0 + 16 <= keys8; j0 += 16) scores_2(qf, D, kt, j0, sc, S8);
+                for (; j0 < keys8; j0 += 8) scores_1(qf, D, kt, j0, sc, S8);
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t seen = S - n + i0 + r + 1;
+                    const __m256 inv = _mm256_set1_ps(softmax_row(sc + r * S8, seen, scale));
+                    __m256 o[ATTN_MAX_D / 8];
+                    if (DV == 8) weigh_v_8(sc + r * S8, vf, seen, o);
+                    else weigh_v_4(sc + r * S8, vf, seen, o);
+                    for (int64_t c = 0; c < DV; c++) store8(out + (i0 + r) * ldo + h * D + 8 * c, _mm256_mul_ps(o[c], inv));
+                }
+            }
+        }
+        free(kt), free(vf), free(sc);
+    }
+}
+
 /* ---- row-wise steps around the matmuls (bf16, one row at a time, same order for every row) --------------------- */
 
 /* x[t] = bf16(x[t] + y[t]) when y is given; then h[t] = bf16(w * bf16(x[t] / sqrt(mean(x[t]^2) + eps))) (HF
@@ -442,3 +679,5 @@ void kvf_silu_mul(const uint16_t *gate_up, int64_t ldg, uint16_t *out, int64_t l
         }
     }
 }
+
+#include "decode_step.h"

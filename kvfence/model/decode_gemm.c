@@ -6,8 +6,13 @@
  * row m of x and w only: batch-invariant by construction, not by calibration.
  *
  * Threads split N (contiguous ranges of weight rows, each streamed once); within a range, blocks of 16 weight rows
- * stay in L1/L2 while every x row passes over them (4 x rows by 4 weight rows at a time, then single rows). Built by kernels.py with
- * -O3 -mavx512f -mavx512bw -mavx512bf16 -fopenmp; sharing torch's libgomp (same soname) keeps one thread pool.
+ * stay in L1/L2 while every x row passes over them (4 x rows by 4 weight rows at a time, then single rows).
+ *
+ * Built by kernels.py twice over: flavour "amx" with -mamx-tile -mamx-bf16 -mamx-int8 -mavx512vnni (the sections
+ * under __AMX_TILE__ / __AMX_BF16__ / __AMX_INT8__: tile products and prefill attention on tiles), and flavour
+ * "avx512" without them (vectors only; -mavx512vnni where the CPU has it, for the int8 section); both with -O3
+ * -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mf16c -fopenmp. Sharing torch's libgomp (same soname) keeps one
+ * thread pool.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -73,6 +78,22 @@ static inline void store(__m512 r, int rows, int64_t cols, uint16_t *y, int64_t 
     for (int i = 0; i < rows; i++) memcpy(y + i * ldy, tmp + i * cols, cols * sizeof(uint16_t));
 }
 
+/* y[m, 0 .. 16) for every x row m, from 16 weight rows of stride ldw (y points at their first column). */
+static void rows16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *y, int64_t ldy,
+                   int64_t M, int64_t K) {
+    __m512 acc[16];
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+        for (int j = 0; j < 16; j += 4) {
+            dot_4x4(x + m * ldx, ldx, w + j * ldw, ldw, K, acc);
+            store(sum16(acc), 4, 4, y + m * ldy + j, ldy);
+        }
+    for (; m < M; m++) {
+        dot_1x16(x + m * ldx, ldx, w, ldw, K, acc);
+        store(sum16(acc), 1, 16, y + m * ldy, ldy);
+    }
+}
+
 void kvf_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *y, int64_t ldy,
                    int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t nblocks = N / 16;
@@ -80,19 +101,8 @@ void kvf_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ld
     {
         __m512 acc[16];
 #pragma omp for schedule(static) nowait
-        for (int64_t nb = 0; nb < nblocks; nb++) { /* 16 weight rows, every x row */
-            const int64_t n = nb * 16;
-            int64_t m = 0;
-            for (; m + 4 <= M; m += 4)
-                for (int j = 0; j < 16; j += 4) {
-                    dot_4x4(x + m * ldx, ldx, w + (n + j) * ldw, ldw, K, acc);
-                    store(sum16(acc), 4, 4, y + m * ldy + n + j, ldy);
-                }
-            for (; m < M; m++) {
-                dot_1x16(x + m * ldx, ldx, w + n * ldw, ldw, K, acc);
-                store(sum16(acc), 1, 16, y + m * ldy + n, ldy);
-            }
-        }
+        for (int64_t nb = 0; nb < nblocks; nb++) /* 16 weight rows, every x row */
+            rows16(x, ldx, w + nb * 16 * ldw, ldw, y + nb * 16, ldy, M, K);
 #pragma omp single
         for (int64_t n = nblocks * 16; n < N; n++) /* the last N % 16 weight rows, one element at a time */
             for (int64_t m = 0; m < M; m++) {
@@ -103,36 +113,9 @@ void kvf_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ld
     }
 }
 
-/* ---- AMX: the same product on tiles, for any M at tile speed ------------------------------------------------
- *
- * y^T = w x^T: w's rows are the A tiles as they lie in memory (16 weight rows x 32 k), x^T is packed into the B
- * tile layout (k pairs x 16 columns of x rows, zero-padded to 16). Element (m, n) accumulates its k in slices of 32
- * (one TDPBF16PS each, k ascending) in the C tile, then rounds to bf16: the same steps whatever column m sits in,
- * how many rows are real, or which thread runs it (checked by the tests, bit for bit).
- */
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#ifndef PREFETCH
-#define PREFETCH 1
-#endif
-
-int kvf_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-}
 
 /* r[i] lane j -> r[j] lane i, for 16 x 16 32-bit values. */
 static inline void transpose16(__m512i r[16]) {
@@ -155,6 +138,34 @@ static inline void transpose16(__m512i r[16]) {
         r[4 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);
         r[12 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0xdd);
     }
+}
+
+/* ---- AMX: the same product on tiles, for any M at tile speed ------------------------------------------------
+ *
+ * y^T = w x^T: w's rows are the A tiles as they lie in memory (16 weight rows x 32 k), x^T is packed into the B
+ * tile layout (k pairs x 16 columns of x rows, zero-padded to 16). Element (m, n) accumulates its k in slices of 32
+ * (one TDPBF16PS each, k ascending) in the C tile, then rounds to bf16: the same steps whatever column m sits in,
+ * how many rows are real, or which thread runs it (checked by the tests, bit for bit).
+ */
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
+
+#ifdef __AMX_TILE__
+int kvf_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
 }
 
 /* C tile (16 weight rows x 16 x rows, fp32) -> y[m][n0 .. n0 + 16] for the ``rows`` real x rows. */
@@ -219,6 +230,9 @@ static inline void amx_pair(const uint16_t *xp0, const uint16_t *xp1, const uint
     }
     _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
 }
+#else
+int kvf_amx_init(void) { return 0; } /* built without the tile instructions */
+#endif
 
 /* ---- GGUF weight blocks, expanded to bf16 on the fly ----------------------------------------------------------
  *
@@ -310,6 +324,24 @@ static void *thread_buffer(int slot, int64_t n) {
     return buf[slot];
 }
 
+/* The product with w as N rows of K / 32 blocks of format fmt (FMT_Q4_1 or FMT_Q8_0) on vectors: a thread expands
+ * 16 weight rows into its buffer, then every x row passes over them as in kvf_gemm_bf16, so the same bits as
+ * kvf_gemm_bf16 over the dequantized bf16 weights. Needs N % 16 == 0 and K % 32 == 0 (the caller checks). */
+void kvf_gemm_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy,
+                     int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint16_t *expanded = thread_buffer(BUF_EXPANDED, 16 * K * 2);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < N / 16; g++) {
+            expand_rows(w + g * 16 * row_bytes, fmt, 16, K, expanded);
+            rows16(x, ldx, expanded, K, y + 16 * g, ldy, M, K);
+        }
+    }
+}
+
+#ifdef __AMX_TILE__
 /* w: bf16 rows of stride ldw (fmt FMT_BF16), or rows of K / 32 blocks. A thread takes groups of 64 (then 16)
  * weight rows; block rows are first expanded into its own buffer, then every x row passes over the group. Needs
  * K % 32 == 0 and N % 16 == 0 (the caller checks); x rows may have any stride ldx. */
@@ -390,7 +422,13 @@ void kvf_gemm_amx_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int f
                          int64_t M, int64_t N, int64_t K, int nthreads) {
     gemm_amx(x, ldx, w, fmt, K, y, ldy, M, N, K, nthreads);
 }
+#endif
 
+static inline __m512 load_f32(const uint16_t *p) { /* 16 bf16 -> fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+#ifdef __AVX512VNNI__
 /* ---- decode rows on int8: GGUF blocks against x quantized per block -------------------------------------------
  *
  * A one-token chunk (a decode row) multiplies block weights without expanding them. Each 32-value block of an x
@@ -409,10 +447,6 @@ void kvf_gemm_amx_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int f
  *                     weight 4j + i.
  * So vector j (unpacked) holds k = 4j .. 4j + 3 of all 16 rows: one VNNI operand, or one row of an AMX B tile.
  */
-static inline __m512 load_f32(const uint16_t *p) { /* 16 bf16 -> fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 enum { Q41_GROUP_BLOCK = 320, Q80_GROUP_BLOCK = 576, Q8_TILE_ROWS = 16 };
 
 /* x rows -> qx (int8 [M][K]), dx and sx ([M][K / 32]), and unless xu is NULL xu = qx + 128 as uint8 (the VNNI
@@ -508,6 +542,7 @@ static inline __attribute__((always_inline)) void q8_group_vnni(const uint8_t *w
     }
 }
 
+#ifdef __AMX_INT8__
 static void configure_int8_tiles(void) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -567,6 +602,8 @@ static inline __attribute__((always_inline)) void q8_group_amx(const uint8_t *wg
     }
 }
 
+#endif
+
 static inline void store_row_bf16(__m512 acc, uint16_t *y) {
     _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(acc));
 }
@@ -582,7 +619,11 @@ static inline void store_row_bf16(__m512 acc, uint16_t *y) {
 void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy, int64_t M,
                  int64_t N, int64_t K, int nthreads) {
     const int64_t nb = K / 32, groups = N / 16, gbytes = nb * (fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK);
+#ifdef __AMX_INT8__
     const int tiles = M >= Q8_TILE_ROWS;
+#else
+    const int tiles = 0; /* built without tiles: every row on vectors, the same bits */
+#endif
     const int64_t Mp = tiles ? (M + 15) / 16 * 16 : M; /* tile rows past M are zero */
     const int64_t bytes = (Mp * K + 63) / 64 * 64, scales = (Mp * nb * 4 + 63) / 64 * 64;
     int8_t *qx = thread_buffer(BUF_QUANTIZED, 2 * bytes + 2 * scales);
@@ -594,12 +635,15 @@ void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint
     const quantized_x qxs = {qx, xu, dx, sx, K, nb};
 #pragma omp parallel num_threads(nthreads)
     {
+#ifdef __AMX_INT8__
         uint8_t *unpacked = tiles && fmt == FMT_Q4_1 ? thread_buffer(BUF_UNPACKED, nb * 512) : NULL;
         if (tiles) configure_int8_tiles();
+#endif
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *wg = w + g * gbytes;
             __m512 acc[16];
+#ifdef __AMX_INT8__
             if (tiles) {
                 if (unpacked)
                     for (int64_t b = 0; b < nb; b++) {
@@ -615,15 +659,19 @@ void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint
                     for (int r = 0; r < 16 && m0 + r < M; r++) store_row_bf16(acc[r], y + (m0 + r) * ldy + 16 * g);
                 }
             } else
+#endif
                 for (int64_t m0 = 0; m0 < M; m0 += 4) {
                     const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
                     VNNI_ROWS(rows);
                     for (int r = 0; r < rows; r++) store_row_bf16(acc[r], y + (m0 + r) * ldy + 16 * g);
                 }
         }
+#ifdef __AMX_INT8__
         if (tiles) _tile_release();
+#endif
     }
 }
+#endif /* __AVX512VNNI__ */
 
 /* ---- decode attention straight from the pool -----------------------------------------------------------------
  *
@@ -721,12 +769,12 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
     }
 }
 
-/* ---- attention on tiles ----------------------------------------------------------------------------------------
+/* ---- prefill attention, on tiles or (built without them) on vectors -------------------------------------------
  *
  * For one K/V head of one sequence: its S positions are packed into tile layouts (K transposed in pairs of d, V in
  * pairs of positions; zeros past S), then up to 16 query rows that share the head attend: scores on tiles (fp32),
  * a float32 softmax over the positions each row sees, the weights rounded to bf16 for the product with V on
- * tiles, and that divided by the weights' (fp32) sum. Prefill runs one task per query head, 16 of its queries
+ * tiles (or vdpbf16ps, below), and that divided by the weights' (fp32) sum. Prefill runs one task per query head, 16 of its queries
  * at a time, each seeing the positions up to its own. A task reads only its own rows and head and runs the same
  * instructions whichever thread runs it, so a chunk's result depends on nothing else in the batch.
  */
@@ -778,25 +826,13 @@ static void pack_head(const uint16_t *kv, int64_t slot_stride, const int64_t *sl
         }
 }
 
-/* Rows r < rows of qb ([16][D], zero past rows) over the packed head: row r sees positions [0, seen[r]) and its
- * output goes to dst[r] (D bf16). Needs seen[r] >= 1 and the packed head to hold max(seen) positions. */
-static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, uint16_t *const *dst, int64_t D,
-                        float scale, attn_scratch *w) {
-    const int64_t DP = D / 32, ld = w->cap;
-    int64_t last = 0;
-    for (int64_t r = 0; r < rows; r++) last = seen[r] > last ? seen[r] : last;
-    const int64_t keys16 = (last + 15) / 16 * 16, keys32 = (last + 31) / 32 * 32;
-    for (int64_t j0 = 0; j0 < keys16; j0 += 16) { /* scores: 16 rows x 16 positions */
-        _tile_zero(0);
-        for (int64_t d = 0; d < D; d += 32) {
-            _tile_loadd(4, qb + d, D * 2);
-            _tile_loadd(6, w->kt + (j0 / 16 * DP + d / 32) * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-        }
-        _tile_stored(0, w->sc + j0, ld * 4);
-    }
-    float inv[16];
-    for (int64_t r = 0; r < 16; r++) { /* softmax weights, unnormalised, bf16; zero past what r sees */
+/* Softmax weights of score rows r < 16 of w->sc (r sees positions [0, seen[r]) when r < rows, none otherwise):
+ * exp(scale s - max), unnormalised, rounded to bf16 into w->p, zero past what r sees up to ``keys32``; inv[r] =
+ * 1 / their fp32 sum (0 for r >= rows). */
+static void softmax_rows(int64_t rows, const int64_t *seen, int64_t keys32, float scale, attn_scratch *w,
+                         float inv[16]) {
+    const int64_t ld = w->cap;
+    for (int64_t r = 0; r < 16; r++) {
         const float *row = w->sc + r * ld;
         uint16_t *pr = w->p + r * ld;
         const int64_t n = r < rows ? seen[r] : 0;
@@ -815,6 +851,28 @@ static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, u
         }
         inv[r] = r < rows ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
     }
+}
+
+#ifdef __AMX_BF16__
+/* Rows r < rows of qb ([16][D], zero past rows) over the packed head: row r sees positions [0, seen[r]) and its
+ * output goes to dst[r] (D bf16). Needs seen[r] >= 1 and the packed head to hold max(seen) positions. */
+static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, uint16_t *const *dst, int64_t D,
+                        float scale, attn_scratch *w) {
+    const int64_t DP = D / 32, ld = w->cap;
+    int64_t last = 0;
+    for (int64_t r = 0; r < rows; r++) last = seen[r] > last ? seen[r] : last;
+    const int64_t keys16 = (last + 15) / 16 * 16, keys32 = (last + 31) / 32 * 32;
+    for (int64_t j0 = 0; j0 < keys16; j0 += 16) { /* scores: 16 rows x 16 positions */
+        _tile_zero(0);
+        for (int64_t d = 0; d < D; d += 32) {
+            _tile_loadd(4, qb + d, D * 2);
+            _tile_loadd(6, w->kt + (j0 / 16 * DP + d / 32) * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+        }
+        _tile_stored(0, w->sc + j0, ld * 4);
+    }
+    float inv[16];
+    softmax_rows(rows, seen, keys32, scale, w, inv);
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t j0 = 0; j0 < keys32; j0 += 32) { /* weights x V: 16 rows x D */
         _tile_loadd(4, w->p + j0, ld * 2);
@@ -839,6 +897,81 @@ static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, u
                 _mm512_mul_ps(_mm512_load_ps(o + c * 256 + r * 16), _mm512_set1_ps(inv[r]))));
 }
 
+#else
+/* Scores of 4 query rows (q32: pairs of d, D / 2 per row) against NB blocks of 16 packed positions from j0, into
+ * sc (rows ld apart): 4 NB independent chains, each its own sum over the pairs of d, ascending. */
+#define SCORES(NB)                                                                                               \
+    static inline void scores_##NB(const uint32_t *q32, int64_t D, const uint32_t *kt, int64_t j0, float *sc,    \
+                                   int64_t ld) {                                                                 \
+        __m512 acc[4 * NB];                                                                                      \
+        UNROLL for (int i = 0; i < 4 * NB; i++) acc[i] = _mm512_setzero_ps();                                    \
+        for (int64_t p = 0; p < D / 2; p++) {                                                                    \
+            __m512bh kp[NB];                                                                                     \
+            UNROLL for (int b = 0; b < NB; b++)                                                                  \
+                kp[b] = (__m512bh)_mm512_load_si512(kt + ((j0 / 16 + b) * (D / 32) + p / 16) * 256 + p % 16 * 16); \
+            UNROLL for (int r = 0; r < 4; r++) {                                                                 \
+                const __m512bh qv = (__m512bh)_mm512_set1_epi32(q32[r * D / 2 + p]);                             \
+                UNROLL for (int b = 0; b < NB; b++) acc[r * NB + b] = _mm512_dpbf16_ps(acc[r * NB + b], qv, kp[b]); \
+            }                                                                                                    \
+        }                                                                                                        \
+        UNROLL for (int r = 0; r < 4; r++)                                                                       \
+            UNROLL for (int b = 0; b < NB; b++) _mm512_storeu_ps(sc + r * ld + j0 + 16 * b, acc[r * NB + b]);    \
+    }
+SCORES(4)
+SCORES(1)
+
+/* 4 rows' weights (bf16 rows pr, ld apart) times V over position pairs [0, pairs) -> out (4 rows of DV x 16 fp32):
+ * 4 DV independent chains over the pairs, ascending. */
+#define WEIGH_V(DV)                                                                                              \
+    static inline void weigh_v_##DV(const uint16_t *pr, int64_t ld, const uint32_t *vp, int64_t pairs, __m512 *out) { \
+        __m512 o[4 * DV];                                                                                        \
+        UNROLL for (int i = 0; i < 4 * DV; i++) o[i] = _mm512_setzero_ps();                                      \
+        for (int64_t P = 0; P < pairs; P++) {                                                                    \
+            __m512bh pw[4];                                                                                      \
+            UNROLL for (int r = 0; r < 4; r++) pw[r] = (__m512bh)_mm512_set1_epi32(((const uint32_t *)(pr + r * ld))[P]); \
+            UNROLL for (int c = 0; c < DV; c++) {                                                                \
+                const __m512bh v = (__m512bh)_mm512_load_si512(vp + (P / 16 * DV + c) * 256 + P % 16 * 16);     \
+                UNROLL for (int r = 0; r < 4; r++) o[r * DV + c] = _mm512_dpbf16_ps(o[r * DV + c], pw[r], v);    \
+            }                                                                                                    \
+        }                                                                                                        \
+        UNROLL for (int i = 0; i < 4 * DV; i++) out[i] = o[i];                                                   \
+    }
+WEIGH_V(4)
+WEIGH_V(2)
+
+/* attend_rows on vectors (no tiles; the same packed layouts and the same softmax): scores with vdpbf16ps, 4 rows
+ * x 64 positions at a time, then the bf16 weights times V with vdpbf16ps over pairs of positions, ascending, up to
+ * the last pair a row of the 4 sees; the weights past what a row sees are zero and add exact zeros, as on tiles.
+ * D is 32 or 64. */
+static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, uint16_t *const *dst, int64_t D,
+                        float scale, attn_scratch *w) {
+    const int64_t ld = w->cap, DV = D / 16;
+    int64_t last = 0;
+    for (int64_t r = 0; r < rows; r++) last = seen[r] > last ? seen[r] : last;
+    const int64_t keys16 = (last + 15) / 16 * 16, keys32 = (last + 31) / 32 * 32;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) { /* rows past ``rows`` are zero queries; their scores go unused */
+        const uint32_t *q32 = (const uint32_t *)(qb + r0 * D);
+        int64_t j0 = 0;
+        for (; j0 + 64 <= keys16; j0 += 64) scores_4(q32, D, w->kt, j0, w->sc + r0 * ld, ld);
+        for (; j0 < keys16; j0 += 16) scores_1(q32, D, w->kt, j0, w->sc + r0 * ld, ld);
+    }
+    float inv[16];
+    softmax_rows(rows, seen, keys32, scale, w, inv);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t nr = rows - r0 < 4 ? rows - r0 : 4;
+        int64_t most = 0;
+        for (int64_t r = 0; r < nr; r++) most = seen[r0 + r] > most ? seen[r0 + r] : most;
+        __m512 o[16];
+        if (DV == 4) weigh_v_4(w->p + r0 * ld, ld, w->vp, (most + 1) / 2, o);
+        else weigh_v_2(w->p + r0 * ld, ld, w->vp, (most + 1) / 2, o);
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = 0; c < DV; c++)
+                _mm256_storeu_si256((__m256i *)(dst[r0 + r] + c * 16), (__m256i)_mm512_cvtneps_pbh(
+                    _mm512_mul_ps(o[r * DV + c], _mm512_set1_ps(inv[r0 + r]))));
+    }
+}
+#endif
+
 /* One chunk of n queries at positions S - n .. S - 1 over its sequence's S positions (slots), causal. q: row i at
  * q + i * ldq, H heads of D; out: row i at out + i * ldo. D is 32 or 64 (the caller checks). */
 void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, int64_t slot_stride,
@@ -849,7 +982,9 @@ void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, i
     {
         attn_scratch w = scratch_alloc(S);
         uint16_t qb[16 * TILE_MAX_D] __attribute__((aligned(64)));
+#ifdef __AMX_BF16__
         configure_tiles();
+#endif
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < H; h++) {
             pack_head(kv, slot_stride, slots, S, h / G, KV, D, &w);
@@ -865,7 +1000,9 @@ void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, i
                 attend_rows(qb, rows, seen, dst, D, scale, &w);
             }
         }
+#ifdef __AMX_BF16__
         _tile_release();
+#endif
         scratch_free(&w);
     }
 }
@@ -962,44 +1099,6 @@ void kvf_silu_mul(const uint16_t *gate_up, int64_t ldg, uint16_t *out, int64_t l
     }
 }
 
-/* ---- a decode step's layers in one call ------------------------------------------------------------------------
- *
- * A step of decode rows only (every chunk one token), with int8 block weights and no q/k/v extras, calls the same
- * kernels in the same order as ``Model._forward_c`` does from Python, so the same bits, without ~9 ctypes calls
- * per layer. It starts after layer 0's attention norm and ends before the last layer's residual add, which the
- * caller makes. */
-typedef struct { /* one layer: DecodeBlocks and their formats, norms, the pool's layer */
-    const uint8_t *qkv, *o, *gate_up, *down;
-    int64_t qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
-    const uint16_t *attn_norm, *mlp_norm;
-    uint16_t *kv;
-} decode_layer;
-
-typedef struct { /* the step: sizes, buffers ([T] rows of unit stride), rotary tables and slots */
-    int64_t T, H, KV, D, hidden, F2, slot_stride;
-    int64_t threads, light; /* the matmuls' and attention's threads; the element-wise kernels' */
-    float eps, scale;
-    uint16_t *x, *h, *proj, *qkv, *attn, *gate_up, *act;
-    const uint16_t *cos, *sin;
-    const int64_t *write, *read, *starts;
-} decode_step;
-
-void kvf_decode_layers(const decode_step *s, const decode_layer *layers, int64_t n) {
-    const int64_t T = s->T, hidden = s->hidden, F = s->F2 / 2, width = (s->H + 2 * s->KV) * s->D;
-    const int th = (int)s->threads, light = (int)s->light;
-    for (int64_t i = 0; i < n; i++) {
-        const decode_layer *L = layers + i;
-        kvf_gemm_q8(s->h, hidden, L->qkv, (int)L->qkv_fmt, s->qkv, width, T, width, hidden, th);
-        kvf_rope_write(s->qkv, width, s->H, s->KV, s->D, s->cos, s->sin, T, L->kv, s->slot_stride, s->write, light);
-        kvf_decode_attention(s->qkv, width, L->kv, s->slot_stride, s->read, s->starts, T, s->H, s->KV, s->D,
-                             s->scale, s->attn, s->H * s->D, th);
-        kvf_gemm_q8(s->attn, s->H * s->D, L->o, (int)L->o_fmt, s->proj, hidden, T, hidden, s->H * s->D, th);
-        kvf_add_rms_norm(s->x, hidden, s->proj, hidden, L->mlp_norm, s->h, hidden, T, hidden, s->eps, light);
-        kvf_gemm_q8(s->h, hidden, L->gate_up, (int)L->gate_up_fmt, s->gate_up, s->F2, T, s->F2, hidden, th);
-        kvf_silu_mul(s->gate_up, s->F2, s->act, F, T, F, light);
-        kvf_gemm_q8(s->act, F, L->down, (int)L->down_fmt, s->proj, hidden, T, hidden, F, th);
-        if (i + 1 < n)
-            kvf_add_rms_norm(s->x, hidden, s->proj, hidden, layers[i + 1].attn_norm, s->h, hidden, T, hidden, s->eps,
-                             light);
-    }
-}
+#ifdef __AVX512VNNI__
+#include "decode_step.h"
+#endif

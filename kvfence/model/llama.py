@@ -14,12 +14,14 @@ Nothing a row computes depends on its neighbours or its position in the batch, s
 chunks (decode groups first) and restores the caller's order in the logits.
 
 Fast path (bf16 on CPU, when ``kernels.py`` builds its C library; ``_forward_c``): every matmul row (prefill and
-decode) runs in the C kernel (AMX tiles, or AVX2 lanes; GGUF blocks expanded to bf16 inside it), attention reads
-K/V straight from the pool (decode rows in one call; each prefill chunk on tiles where there is AMX, else torch's
-SDPA), and residual add + RMSNorm, rotary + K/V write and silu(gate) * up are one call each. Each of these
-computes a row (or a sequence and head) with the same instructions whatever else is in the call or how many
-threads run it, so they are batch-invariant by construction and need no calibration. A step allocates its
-buffers once and calls the C entry points straight, about ten per layer. See docs/performance.md.
+decode) runs in a C kernel of the flavour ``kernels.detect()`` reports (AMX tiles, AVX-512 or AVX2 vectors; GGUF
+blocks expanded to bf16 inside it, or multiplied in int8 against x quantized per block: decode rows, and every
+row where there are no tiles), attention reads K/V straight from the pool (decode rows in one call; each prefill
+chunk in C where its head size fits, else torch's SDPA), and residual add + RMSNorm, rotary + K/V write and
+silu(gate) * up are one call each. Each of these computes a row (or a sequence and head) with the same
+instructions whatever else is in the call or how many threads run it, so they are batch-invariant by
+construction and need no calibration. A step allocates its buffers once and calls the C entry points straight,
+about ten per layer. See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -54,16 +56,17 @@ class SeqChunk:
 @dataclass
 class Layer:
     """One decoder block's weights, fused: qkv ``[(H + 2 KV) D, hidden]``, gate_up ``[2 F, hidden]``. A matmul
-    weight may be a ``BlockWeight`` (GGUF blocks the kernel expands)."""
+    weight may be a ``BlockWeight`` (GGUF blocks the kernel expands) or ``DecodeBlocks`` (the same blocks regrouped
+    for the int8 kernel, where every row runs in int8: ``Model.int8_chunks``)."""
 
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor | BlockWeight
+    qkv: torch.Tensor | BlockWeight | DecodeBlocks
     qkv_bias: torch.Tensor | None  # [(H + 2 KV) D] (qwen2)
     qk_norm: torch.Tensor | None  # [H + KV, D]: q_norm repeated H times, then k_norm KV times (qwen3)
-    o: torch.Tensor | BlockWeight  # [hidden, H D]
+    o: torch.Tensor | BlockWeight | DecodeBlocks  # [hidden, H D]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor | BlockWeight
-    down: torch.Tensor | BlockWeight  # [hidden, F]
+    gate_up: torch.Tensor | BlockWeight | DecodeBlocks
+    down: torch.Tensor | BlockWeight | DecodeBlocks  # [hidden, F]
 
 
 @dataclass
@@ -119,10 +122,11 @@ class Model:
         self._threads = -1
         self._pool_views: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
         # every matmul through the C kernel (bf16 on CPU, when it builds here); False: calibrated torch row blocks
-        self.c_gemm = self.dtype == torch.bfloat16 and self.device.type == "cpu" and kernels.available()
+        caps = kernels.detect()
+        self.c_gemm = self.dtype == torch.bfloat16 and self.device.type == "cpu" and caps.flavour is not None
         self.decode_attn = self.c_gemm and kernels.attention_fits(config.num_heads, config.num_kv_heads,
                                                                   config.head_dim)
-        # prefill chunks' attention on AMX tiles (else torch's SDPA); KVFENCE_PREFILL_ATTENTION=0 turns it off
+        # prefill chunks' attention in C (else torch's SDPA); KVFENCE_PREFILL_ATTENTION=0 turns it off
         self.prefill_attn = (self.decode_attn and os.environ.get("KVFENCE_PREFILL_ATTENTION", "1") != "0"
                              and kernels.prefill_attention_fits(config.num_heads, config.num_kv_heads, config.head_dim))
         if not self.c_gemm:
@@ -132,11 +136,19 @@ class Model:
             config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim, self.dtype,
             str(self.device)) if self.device.type == "cuda" else None)
         # one-token chunks (decode rows) multiply block weights in int8 where that kernel runs (``DecodeBlocks``:
-        # a copy of the blocks regrouped for it, ``prepare_decode_rows``); KVFENCE_DECODE_INT8=0 keeps them on the
+        # a copy of the blocks regrouped for it, ``prepare_decode_rows``), and so do longer chunks where no AMX
+        # tiles make the bf16 expansion cheaper (``int8_chunks``); KVFENCE_DECODE_INT8=0 keeps all rows on the
         # bf16 expansion
         self.decode_int8 = (self.decode_attn and any(isinstance(w, BlockWeight) for w in vars(layers[0]).values())
-                            and kernels.decode_blocks_supported()
-                            and os.environ.get("KVFENCE_DECODE_INT8", "1") != "0")
+                            and caps.int8_rows and os.environ.get("KVFENCE_DECODE_INT8", "1") != "0")
+        self.int8_chunks = self.decode_int8 and caps.int8_chunks
+        if self.int8_chunks:  # every row of the block weights runs in int8: keep only their regrouped copies
+            for layer in layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    if isinstance(w := getattr(layer, name), BlockWeight):
+                        setattr(layer, name, DecodeBlocks.from_blocks(w))
+            if isinstance(lm_head, BlockWeight):  # the embedding keeps the blocks for its gather
+                self.lm_head = lm_head = DecodeBlocks.from_blocks(lm_head)
         # per layer (qkv, o, gate_up, down) and for the head: the C matmul entries of each weight for longer chunks
         # and for decode rows, checked once (``_forward_c``); they hold raw pointers, so the weights (and the
         # decode copies kept here) are never replaced after construction
@@ -146,7 +158,7 @@ class Model:
         self._head_entries = self._entries(lm_head) if self.decode_attn else None
         self._layer_args: tuple[int, ctypes.Array] | None = None  # (pool, kvf_decode_layers' layers): a cache
 
-    def _entries(self, w: torch.Tensor | BlockWeight, decode_copy: bool = False
+    def _entries(self, w: torch.Tensor | BlockWeight | DecodeBlocks, decode_copy: bool = False
                  ) -> tuple[kernels.GemmEntry, kernels.GemmEntry]:
         """``(longer chunks' entry, decode rows' entry)`` for weight w; the same entry twice until
         ``prepare_decode_rows`` makes the copy (``decode_copy``)."""
@@ -157,11 +169,11 @@ class Model:
         return entry, kernels.gemm_entry(self._decode_weights[-1])
 
     def prepare_decode_rows(self) -> None:
-        """Make the int8 copies decode rows use (~1 s, ~100 MB for SmolLM2). Engines that decode call it at
-        start; elsewhere (a prefill worker: its one-token chunks come only from prompts one past a multiple of the
-        chunk size) the first step with a decode row does. Idempotent; a no-op where decode rows use the weights
-        themselves."""
-        if not self.decode_int8 or self._decode_weights:
+        """Make the int8 copies decode rows (and ``int8_chunks``: every row) use (~1 s, ~100 MB for SmolLM2).
+        Engines that decode call it at start; elsewhere (a prefill worker: its one-token chunks come only from
+        prompts one past a multiple of the chunk size) the first step that needs them does. Idempotent; a no-op
+        where decode rows use the weights themselves (or ``int8_chunks``: the copies replaced them at load)."""
+        if not self.decode_int8 or self.int8_chunks or self._decode_weights:
             return
         t0 = time.perf_counter()
         self._gemm_entries = [tuple(self._entries(w, True) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -180,10 +192,10 @@ class Model:
     ) -> Model:
         """Build from HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up.
 
-        GGUF block weights stay blocks where the C kernels expand them (bf16 with AMX or AVX2 kernels, unless
+        GGUF block weights stay blocks wherever the C kernels run (bf16, unless
         ``KVFENCE_KEEP_BLOCKS=0``): the same bits as dequantized weights, a third of the bytes. Elsewhere they are
         dequantized here."""
-        keep = (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.blocks_supported()
+        keep = (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.detect().block_weights
                 and os.environ.get("KVFENCE_KEEP_BLOCKS", "1") != "0")
 
         def get(name: str) -> torch.Tensor | BlockWeight:

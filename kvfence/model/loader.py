@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvfence.config import ModelConfig
+from kvfence.model import kernels
 from kvfence.model.blocks import BLOCK_BYTES, BlockWeight
 from kvfence.model.describe import (
     SMOLLM2,
@@ -70,6 +71,8 @@ def load_model(model: str = SMOLLM2, dtype: torch.dtype = torch.bfloat16, device
     t0 = time.perf_counter()
     path = model_path(model)
     log.info("loading %s (%s) from %s", model, str(dtype).removeprefix("torch."), path)
+    if torch.device(device).type == "cpu":
+        log.info("CPU capabilities: %s", kernels.detect().summary())
     name, cfg, state, tok = _load_hf_dir(path) if path.is_dir() else _load_gguf(path)
     t1 = time.perf_counter()
     net = Model.from_state_dict(cfg, state, dtype=dtype, device=device)

@@ -201,6 +201,7 @@ class Hello(Msg, frozen=True):
     quarantined_pages: int = 0
     total_pages: int = 0
     quarantine_reasons: dict[str, int] = {}  # reason -> pages quarantined for it
+    cpu: str = ""  # the model's compute capabilities here (``kernels.Capabilities.summary``); "" on a GPU
 
 
 class Peers(Msg, frozen=True):

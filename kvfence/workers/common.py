@@ -52,6 +52,7 @@ class WorkerBase:
         self.dtype = getattr(torch, settings.dtype)
         self.loaded = load_model(settings.model, dtype=self.dtype, device=settings.device)
         freeze_loaded_objects()
+        self.cpu = kernels.detect().summary() if self.loaded.model.device.type == "cpu" else ""  # for Hello
         self.channel = Channel(settings.bind, settings.advertise, self.faults, settings.cluster_key)
         self.me = self.channel.me
         self.stop_requested = False
