@@ -52,7 +52,7 @@ def test_a_short_soak_with_every_fault_kind_comes_back_clean(tmp_path):
 
 
 def test_with_the_checksum_layer_off_flipped_bytes_reach_clients_and_the_soak_says_so(tmp_path):
-    proc, report = soak(tmp_path, "--requests", "60", "--concurrency", "4", "--kills", "0",
+    proc, report = soak(tmp_path, "--requests", "60", "--concurrency", "4", "--kills", "0", "--pauses", "0",
                         "--disconnect", "0", "--faults", "flip=0.5", unsafe="checksum")
     assert proc.returncode == 1, proc.stdout
     kinds = {f["kind"] for f in report["findings"]}
