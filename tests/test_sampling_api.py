@@ -12,23 +12,9 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from tests.server import Server
-from tests.tiny_models import tiny_model_dir
 
-COMMON = ("--model", str(tiny_model_dir("llama")), "--max-context", "512")
 CHAT = [{"role": "user", "content": "Tell me a story about a fence."}]
 GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def colocated():
-    with Server("--mode", "colocated", *COMMON) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def disaggregated():
-    with Server(*COMMON) as server:
-        yield server
 
 
 def raw(server: Server, path: str, body: dict) -> httpx.Response:
@@ -41,8 +27,8 @@ def chat_logprobs(server: Server, top: int = 3, **kw) -> ChatCompletion:
                                                    **(GREEDY | kw))
 
 
-def test_chat_logprobs_describe_the_greedy_tokens(colocated):
-    reply = chat_logprobs(colocated)
+def test_chat_logprobs_describe_the_greedy_tokens(tiny_colocated):
+    reply = chat_logprobs(tiny_colocated)
     ChatCompletion.model_validate(reply.model_dump())
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens == 12
@@ -54,12 +40,12 @@ def test_chat_logprobs_describe_the_greedy_tokens(colocated):
         assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # greedy: the best
 
 
-def test_logprobs_are_the_same_disaggregated_and_streamed(colocated, disaggregated):
-    want = chat_logprobs(colocated).choices[0].logprobs.content
-    got = chat_logprobs(disaggregated).choices[0].logprobs.content
+def test_logprobs_are_the_same_disaggregated_and_streamed(tiny_colocated, tiny_disaggregated):
+    want = chat_logprobs(tiny_colocated).choices[0].logprobs.content
+    got = chat_logprobs(tiny_disaggregated).choices[0].logprobs.content
     assert [c.token for c in got] == [c.token for c in want]
     assert [c.logprob for c in got] == pytest.approx([c.logprob for c in want], abs=1e-4)
-    stream = disaggregated.client().chat.completions.create(model="llama", messages=CHAT, logprobs=True,
+    stream = tiny_disaggregated.client().chat.completions.create(model="llama", messages=CHAT, logprobs=True,
                                                             top_logprobs=3, stream=True, **GREEDY)
     streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
                 for c in chunk.choices[0].logprobs.content]
@@ -68,9 +54,9 @@ def test_logprobs_are_the_same_disaggregated_and_streamed(colocated, disaggregat
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_legacy_completion_logprobs(disaggregated, stream):
+def test_legacy_completion_logprobs(tiny_disaggregated, stream):
     kw = GREEDY | {"logprobs": 2}
-    client = disaggregated.client()
+    client = tiny_disaggregated.client()
     if stream:
         chunks = list(client.completions.create(model="llama", prompt="Once upon a time", stream=True, **kw))
         text = "".join(c.choices[0].text for c in chunks)
@@ -106,10 +92,10 @@ def token_id(server: Server, spelled: tuple[int, ...] | str) -> int:
 
 
 def test_penalties_bias_min_tokens_and_stop_token_ids_change_the_greedy_tokens_alike_on_both_servers(
-        colocated, disaggregated):
-    plain = greedy_tokens(colocated)
+        tiny_colocated, tiny_disaggregated):
+    plain = greedy_tokens(tiny_colocated)
     forced = next(t for t in plain if bytes(t).isascii() and bytes(t).strip())
-    for server in (colocated, disaggregated):
+    for server in (tiny_colocated, tiny_disaggregated):
         assert greedy_tokens(server) == plain
         # a large logit_bias makes one token win every step
         assert set(greedy_tokens(server, logit_bias={str(token_id(server, forced)): 100})) == {forced}
@@ -119,15 +105,15 @@ def test_penalties_bias_min_tokens_and_stop_token_ids_change_the_greedy_tokens_a
     # the same shaped tokens on both servers (prefill shapes the first token, decode the rest); the penalties'
     # arithmetic is tests/test_sampler.py's
     shaped = {"frequency_penalty": -2, "presence_penalty": -2, "repetition_penalty": 0.5, "min_p": 0.5}
-    assert greedy_tokens(colocated, **shaped) == greedy_tokens(disaggregated, **shaped) != plain
+    assert greedy_tokens(tiny_colocated, **shaped) == greedy_tokens(tiny_disaggregated, **shaped) != plain
 
 
-def test_stop_token_ids_end_the_request_and_min_tokens_holds_them_off(disaggregated):
-    client = disaggregated.client()
+def test_stop_token_ids_end_the_request_and_min_tokens_holds_them_off(tiny_disaggregated):
+    client = tiny_disaggregated.client()
     plain = client.completions.create(model="llama", prompt="Once upon a time", logprobs=0, **GREEDY)
     tokens = plain.choices[0].logprobs.tokens
     at = 3
-    stop_id = token_id(disaggregated, tokens[at])
+    stop_id = token_id(tiny_disaggregated, tokens[at])
     first = tokens.index(tokens[at])
     stopped = client.completions.create(model="llama", prompt="Once upon a time",
                                         **(GREEDY | {"extra_body": {"ignore_eos": True, "stop_token_ids": [stop_id]}}))
@@ -146,19 +132,19 @@ def test_stop_token_ids_end_the_request_and_min_tokens_holds_them_off(disaggrega
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
 ])
-def test_bad_sampling_values_are_400s_naming_the_param(disaggregated, body, param):
-    resp = raw(disaggregated, "/v1/chat/completions", {"messages": CHAT} | body)
+def test_bad_sampling_values_are_400s_naming_the_param(tiny_disaggregated, body, param):
+    resp = raw(tiny_disaggregated, "/v1/chat/completions", {"messages": CHAT} | body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param and resp.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
-        disaggregated.client().chat.completions.create(model="llama", messages=CHAT, extra_body=body)
+        tiny_disaggregated.client().chat.completions.create(model="llama", messages=CHAT, extra_body=body)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_echo_returns_the_prompt_and_its_logprobs_line_up_with_generation(colocated, disaggregated, stream):
+def test_echo_returns_the_prompt_and_its_logprobs_line_up_with_generation(tiny_colocated, tiny_disaggregated, stream):
     """A prompt token's echoed logprob is the logprob the model gave that token when it generated it."""
     prompt = [1000 + 37 * i for i in range(20)]  # token ids; 20 tokens spans two pages
-    for server in (colocated, disaggregated):
+    for server in (tiny_colocated, tiny_disaggregated):
         client = server.client()
         first = client.completions.create(model="llama", prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
         generated = first.choices[0].logprobs.token_logprobs[0]
@@ -187,8 +173,8 @@ def test_echo_returns_the_prompt_and_its_logprobs_line_up_with_generation(coloca
         assert all(len(d) <= 2 and max(d.values()) >= v for d, v in zip(top[1:], values[1:], strict=True))
 
 
-def test_echo_without_logprobs_is_the_prompt_text_then_the_completion(disaggregated):
-    client = disaggregated.client()
+def test_echo_without_logprobs_is_the_prompt_text_then_the_completion(tiny_disaggregated):
+    client = tiny_disaggregated.client()
     plain = client.completions.create(model="llama", prompt="Once upon a time", **GREEDY)
     echoed = client.completions.create(model="llama", prompt="Once upon a time", echo=True, **GREEDY)
     assert echoed.choices[0].text == "Once upon a time" + plain.choices[0].text

@@ -136,7 +136,12 @@ def test_a_newcomers_prompt_goes_before_the_next_chunk_of_a_long_one():
 def test_admission_follows_the_share_and_weights_divide_the_charge():
     """Each step admits one 8-token prompt (which then ends). bob (weight 1) and carol (weight 2) wait with three
     each: carol gets two admissions for each of bob's; on a tie the older request goes first."""
-    s = make(pool_tokens=256, page=4, chunk=8, step=8, batch=16)
+    assert admission_order(fair=True) == [1, 11, 12, 2, 13, 3]
+
+
+def admission_order(fair: bool) -> list[int]:
+    """bob's three 8-token prompts, then carol's (weight 2), one admitted a step, each ending once admitted."""
+    s = make(pool_tokens=256, page=4, chunk=8, step=8, batch=16, fair=fair)
     for rid in range(1, 4):
         s.add(seq(8, rid=rid, tenant="bob"))
     for rid in range(11, 14):
@@ -146,23 +151,13 @@ def test_admission_follows_the_share_and_weights_divide_the_charge():
         order += [rid for rid, _, _ in run(s)]
         for x in [x for x in s.running if not x.in_prefill]:
             s.remove(x)
-    assert order == [1, 11, 12, 2, 13, 3]
+    return order
 
 
 def test_fcfs_admits_in_arrival_order_whatever_the_shares():
     """--scheduling fcfs, the baseline fair sharing is measured against: the same waiting requests as above go
     in the order they came, and the newest request is the one preempted."""
-    s = make(pool_tokens=256, page=4, chunk=8, step=8, batch=16, fair=False)
-    for rid in range(1, 4):
-        s.add(seq(8, rid=rid, tenant="bob"))
-    for rid in range(11, 14):
-        s.add(seq(8, rid=rid, tenant="carol", weight=2.0))
-    order = []
-    for _ in range(6):
-        order += [rid for rid, _, _ in run(s)]
-        for x in [x for x in s.running if not x.in_prefill]:
-            s.remove(x)
-    assert order == [1, 2, 3, 11, 12, 13]
+    assert admission_order(fair=False) == [1, 2, 3, 11, 12, 13]
     dry = make(pool_tokens=48, page=4, chunk=8, step=64, batch=8, fair=False)
     bob, alice = [seq(4, rid=r, tenant="bob") for r in (1, 2, 3)], seq(4, rid=4, tenant="alice")
     fill(dry, *bob, alice)

@@ -12,9 +12,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from tests.server import Server
-from tests.tiny_models import tiny_model_dir
 
-COMMON = ("--model", str(tiny_model_dir("llama")), "--max-context", "512")
 ASK = [{"role": "user", "content": "Describe a person."}]
 PERSON = {
     "type": "object",
@@ -24,18 +22,6 @@ PERSON = {
     "required": ["name", "age", "ok", "colour", "tags"], "additionalProperties": False,
 }
 AS_PERSON = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def colocated():
-    with Server("--mode", "colocated", *COMMON) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def disaggregated():
-    with Server(*COMMON) as server:
-        yield server
 
 
 def assert_person(person: object) -> None:
@@ -51,36 +37,37 @@ def ask(server: Server, **kw) -> ChatCompletion:
 
 
 @pytest.mark.parametrize("seed", [None, 1, 2, 3])
-def test_every_answer_matches_the_schema_and_ends_with_it(disaggregated, seed):
-    reply = ask(disaggregated, response_format=AS_PERSON, **({"temperature": 0} if seed is None else {"seed": seed}))
+def test_every_answer_matches_the_schema_and_ends_with_it(tiny_disaggregated, seed):
+    sampling = {"temperature": 0} if seed is None else {"seed": seed}
+    reply = ask(tiny_disaggregated, response_format=AS_PERSON, **sampling)
     ChatCompletion.model_validate(reply.model_dump())
     assert reply.choices[0].finish_reason == "stop"  # the grammar completed; nothing follows the object
     assert_person(json.loads(reply.choices[0].message.content))
 
 
-def test_without_the_schema_the_random_model_writes_no_json(disaggregated):
+def test_without_the_schema_the_random_model_writes_no_json(tiny_disaggregated):
     """What the mask does: the same requests unconstrained."""
     for seed in (1, 2, 3):
         with pytest.raises(ValueError):
-            json.loads(ask(disaggregated, seed=seed).choices[0].message.content)
+            json.loads(ask(tiny_disaggregated, seed=seed).choices[0].message.content)
 
 
-def test_colocated_disaggregated_and_streamed_answers_agree(colocated, disaggregated):
-    want = ask(colocated, response_format=AS_PERSON, temperature=0).choices[0].message.content
-    assert ask(disaggregated, response_format=AS_PERSON, temperature=0).choices[0].message.content == want
-    stream = disaggregated.client().chat.completions.create(model="llama", messages=ASK, max_tokens=120, stream=True,
-                                                            temperature=0, response_format=AS_PERSON)
+def test_colocated_disaggregated_and_streamed_answers_agree(tiny_colocated, tiny_disaggregated):
+    want = ask(tiny_colocated, response_format=AS_PERSON, temperature=0).choices[0].message.content
+    assert ask(tiny_disaggregated, response_format=AS_PERSON, temperature=0).choices[0].message.content == want
+    stream = tiny_disaggregated.client().chat.completions.create(
+        model="llama", messages=ASK, max_tokens=120, stream=True, temperature=0, response_format=AS_PERSON)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
 
 
-def test_json_object_gives_an_object(colocated):
+def test_json_object_gives_an_object(tiny_colocated):
     """A random model rambles inside strings; a bias towards the quote and the closing brace (still masked by
     the grammar) lets it finish, and what it finishes is an object."""
-    ids = {t: httpx.post(colocated.url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in ('"', "}")}
+    ids = {t: httpx.post(tiny_colocated.url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in ('"', "}")}
     assert all(len(v) == 1 for v in ids.values())
     bias = {str(v[0]): 20 for v in ids.values()}
     for seed in (1, 2):
-        reply = ask(colocated, response_format={"type": "json_object"}, seed=seed, logit_bias=bias)
+        reply = ask(tiny_colocated, response_format={"type": "json_object"}, seed=seed, logit_bias=bias)
         assert reply.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
@@ -92,8 +79,8 @@ def test_json_object_gives_an_object(colocated):
     ({"type": "yaml"}, "Invalid value"),
     ({"type": "json_object", "extra": 1}, "Unrecognized"),
 ])
-def test_a_schema_that_cannot_be_enforced_is_a_400(disaggregated, fmt, words):
-    resp = httpx.post(disaggregated.url + "/v1/chat/completions", timeout=30,
+def test_a_schema_that_cannot_be_enforced_is_a_400(tiny_disaggregated, fmt, words):
+    resp = httpx.post(tiny_disaggregated.url + "/v1/chat/completions", timeout=30,
                       json={"messages": ASK, "response_format": fmt})
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]

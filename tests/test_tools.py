@@ -121,19 +121,6 @@ def test_a_named_choice_must_name_an_offered_tool():
 
 # ---------------------------------------------------------------------------------------------- real servers
 
-COMMON = ("--model", str(tiny_model_dir("llama")), "--max-context", "1024")
-
-
-@pytest.fixture(scope="module")
-def colocated():
-    with Server("--mode", "colocated", *COMMON) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def disaggregated():
-    with Server(*COMMON) as server:
-        yield server
 
 
 def call(server: Server, choice, **kw) -> ChatCompletion:
@@ -142,8 +129,8 @@ def call(server: Server, choice, **kw) -> ChatCompletion:
 
 
 @pytest.mark.parametrize("seed", [None, 1, 2])
-def test_a_required_call_is_made_even_by_a_random_model(disaggregated, seed):
-    reply = call(disaggregated, "required", **({} if seed is None else {"temperature": 1.0, "seed": seed}))
+def test_a_required_call_is_made_even_by_a_random_model(tiny_disaggregated, seed):
+    reply = call(tiny_disaggregated, "required", **({} if seed is None else {"temperature": 1.0, "seed": seed}))
     ChatCompletion.model_validate(reply.model_dump())
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -155,25 +142,25 @@ def test_a_required_call_is_made_even_by_a_random_model(disaggregated, seed):
             assert c.function.name == "add" and set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
 
 
-def test_named_calls_agree_colocated_disaggregated_and_streamed(colocated, disaggregated):
+def test_named_calls_agree_colocated_disaggregated_and_streamed(tiny_colocated, tiny_disaggregated):
     add = {"type": "function", "function": {"name": "add"}}
-    want = call(colocated, add).choices[0].message.tool_calls
+    want = call(tiny_colocated, add).choices[0].message.tool_calls
     assert [t.function.name for t in want] == ["add"]
-    got = call(disaggregated, add).choices[0].message.tool_calls
+    got = call(tiny_disaggregated, add).choices[0].message.tool_calls
     assert [t.function.arguments for t in got] == [t.function.arguments for t in want]
-    chunks = list(call(disaggregated, add, stream=True))
+    chunks = list(call(tiny_disaggregated, add, stream=True))
     deltas = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
     streamed = [(d.index, d.function.name, d.function.arguments) for d in deltas]
     assert streamed == [(0, "add", want[0].function.arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_a_history_with_calls_and_results_is_answered(disaggregated):
+def test_a_history_with_calls_and_results_is_answered(tiny_disaggregated):
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
         {"role": "tool", "tool_call_id": "call_9", "content": "21 degrees, sunny"}]
-    client = disaggregated.client()
+    client = tiny_disaggregated.client()
     with_tools = client.chat.completions.create(model="llama", messages=history, tools=TOOLS, max_tokens=4)
     without = client.chat.completions.create(model="llama", messages=history, max_tokens=4)
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens > 0  # the tools were described
@@ -187,7 +174,7 @@ def test_a_history_with_calls_and_results_is_answered(disaggregated):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
 ])
-def test_bad_tool_requests_are_400s_naming_the_param(disaggregated, body, param):
-    resp = httpx.post(disaggregated.url + "/v1/chat/completions", json={"messages": ASK} | body, timeout=30)
+def test_bad_tool_requests_are_400s_naming_the_param(tiny_disaggregated, body, param):
+    resp = httpx.post(tiny_disaggregated.url + "/v1/chat/completions", json={"messages": ASK} | body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.json()
