@@ -65,6 +65,15 @@ async def stream(client: openai.AsyncOpenAI, i: int, max_tokens: int, started: s
         return exc, tokens
 
 
+async def streams_started(client: openai.AsyncOpenAI, n: int, max_tokens: int, started: set[int]) -> list:
+    """``n`` streams (tasks of ``stream``), returned once every one has its first token."""
+    tasks = [asyncio.create_task(stream(client, i, max_tokens, started)) for i in range(n)]
+    while len(started) < n:
+        assert not any(t.done() for t in tasks), "a stream ended before all had started"
+        await asyncio.sleep(0.02)
+    return tasks
+
+
 def completion(server: Server, prompt: str) -> str:
     reply = server.client(timeout=60).completions.create(model="llama", prompt=prompt, max_tokens=8, temperature=0,
                                                          extra_body={"ignore_eos": True})
@@ -79,10 +88,7 @@ def test_a_killed_prefill_worker_spares_the_streams_whose_kv_has_landed(model):
 
         async def run():
             async with server.async_client(timeout=120) as client:
-                tasks = [asyncio.create_task(stream(client, i, 300, started)) for i in range(4)]
-                while len(started) < len(tasks):
-                    assert not any(t.done() for t in tasks), "a stream ended before all had started"
-                    await asyncio.sleep(0.02)
+                tasks = await streams_started(client, 4, 300, started)
                 os.kill(info["pid"], signal.SIGKILL)
                 return await asyncio.gather(*tasks)
 
@@ -140,10 +146,7 @@ def test_a_paused_decode_worker_is_suspected_then_fenced_and_never_streams_for_i
 
         async def run():
             async with server.async_client(timeout=120) as client:
-                tasks = [asyncio.create_task(stream(client, i, 1500, started)) for i in range(6)]
-                while len(started) < len(tasks):
-                    assert not any(t.done() for t in tasks), "a stream ended before all had started"
-                    await asyncio.sleep(0.02)
+                tasks = await streams_started(client, 6, 1500, started)
                 decodes = await asyncio.to_thread(workers, server, "decode")
                 victim["id"] = max(decodes, key=lambda w: decodes[w]["in_flight"])
                 victim["pid"] = decodes[victim["id"]]["pid"]

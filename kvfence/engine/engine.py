@@ -206,8 +206,7 @@ class Engine:
         requests = [s.req for s in seqs]
         guides = [self.trackers[s.rid].guide for s in seqs]
         tokens = sample(rows, requests, [s.generator for s in seqs], self.tokenizer.eos_token_ids, guides)
-        logprobs = token_logprobs(rows, requests, tokens) if any(r.params.logprobs is not None for r in requests) \
-            else [None] * len(seqs)
+        logprobs = token_logprobs(rows, requests, tokens)
         outputs = (self._on_token(*args) for args in zip(seqs, tokens, logprobs, strict=True))
         return [out for out in outputs if out is not None]
 

@@ -71,7 +71,7 @@ from kvfence.router.fair import FairPool
 from kvfence.router.ledger import Ledger, RequestEnd
 from kvfence.router.limits import EdgeLimits
 from kvfence.router.metrics import CONTENT_TYPE, Metrics
-from kvfence.router.responses import DONE, Format, Tokens, error_body, sse
+from kvfence.router.responses import DONE, Format, Tokens, error_body, finish_with_calls, sse
 from kvfence.router.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -484,8 +484,7 @@ async def _events(gen: Generation, fmt: Format, first: RequestOutput, job: Job) 
             if out.finished:
                 break
             out = await gen.next()
-        yield sse(fmt.finish(FinishReason.TOOL_CALLS if called and out.finish_reason is FinishReason.STOP
-                             else out.finish_reason))
+        yield sse(fmt.finish(finish_with_calls(out.finish_reason, called > 0)))
         if fmt.include_usage:
             yield sse(fmt.usage_chunk(*gen.usage()))
         gen.succeeded()

@@ -39,6 +39,11 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+def finish_with_calls(finish: FinishReason, called: bool) -> FinishReason:
+    """A stop whose text held tool calls is reported as ``tool_calls``."""
+    return FinishReason.TOOL_CALLS if called and finish is FinishReason.STOP else finish
+
+
 @dataclass(frozen=True)
 class Tokens:
     """Generated tokens with their logprobs (one each, when the request asked), and where their text starts in
@@ -74,8 +79,7 @@ class Format:
                    tokens: Tokens = NO_TOKENS, calls: Sequence[ToolCall] = ()) -> dict:
         """The whole (non-streaming) response; ``calls``: the tool calls read from the text (``text`` is what
         remains, None when nothing does)."""
-        if calls and finish is FinishReason.STOP:
-            finish = FinishReason.TOOL_CALLS
+        finish = finish_with_calls(finish, bool(calls))
         if self.chat:
             message = {"role": "assistant", "content": text}
             choice = {"index": 0, "message": message | ({"tool_calls": [c.as_dict() for c in calls]} if calls else {})}
