@@ -52,8 +52,9 @@ def test_decode_happy_path_grants_exact_pages_then_starts_decoding():
     core = decode_core()
     assert core.handle(R, admit(6), now=0) == [Send(P, Dest(RID, [(0, 1), (1, 1)], 6))]
     assert core.pages.state[:2].tolist() == [PageState.WRITING] * 2
-    out = core.handle(P, Done(RID, tokens=6, checksum=1, first_token=42), now=1)
-    assert out == [StartDecode(admit(6), [PageGrant(0, 1), PageGrant(1, 1)], 42)]
+    done = Done(RID, tokens=6, checksum=1, first_token=42)
+    out = core.handle(P, done, now=1)
+    assert out == [StartDecode(admit(6), [PageGrant(0, 1), PageGrant(1, 1)], done)]
     assert core.pages.state[:2].tolist() == [PageState.READY] * 2
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfence.core import KvfenceError, TokenLogprob
+from kvfence.core import KvfenceError
 from kvfence.kvcache.pages import PageGrant
-from kvfence.protocol.messages import Admit, Message, Output
+from kvfence.protocol.messages import Admit, Done, Message, Output
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,7 @@ class StartDecode:
 
     admit: Admit
     grants: list[PageGrant]
-    first_token: int
-    first_logprob: TokenLogprob | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
+    done: Done  # prefill's report: the first token (and the logprobs asked for) come with it
 
 
 @dataclass(frozen=True)

@@ -236,7 +236,7 @@ class DecodeCore:
         self.pages.set_state(req.rid, req.grants, PageState.READY)
         req.state = DState.DECODING
         grants, req.grants = req.grants, []
-        return [StartDecode(req.msg, grants, msg.first_token, msg.first_logprob, msg.prompt_logprobs)]
+        return [StartDecode(req.msg, grants, msg)]
 
     def _progress(self, sender: str, msg: Progress, now: float) -> None:
         """The writer computed more of the prompt: the handoff is alive, its timeout starts again."""

@@ -887,7 +887,7 @@ class World:
         seq = Seq(a.admit.rid, tuple(a.grants), len(a.admit.prompt_ids), a.admit.params.max_tokens)
         self.decode.engine[seq.rid] = seq
         self._note(lambda: f"decode engine: takes {self._name(seq.rid)} with pages {[g.page for g in a.grants]}")
-        return self._decode_token(seq, a.first_token, deliver=False)
+        return self._decode_token(seq, a.done.first_token, deliver=False)
 
     def _decode_token(self, seq: Seq, token: int, deliver: bool = True) -> list[Action]:
         seq.produced += 1

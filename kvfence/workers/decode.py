@@ -90,8 +90,9 @@ class DecodeWorker(WorkerBase):
             a = action.admit
             req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid, weight=a.weight)
             self._engine.pool.from_host([g.page for g in action.grants])  # verified: what landed is what decodes
-            out = self._engine.add_prefilled(req, action.grants, action.first_token, action.first_logprob,
-                                             action.prompt_logprobs)
+            done = action.done
+            out = self._engine.add_prefilled(req, action.grants, done.first_token, done.first_logprob,
+                                             done.prompt_logprobs)
             return self.core.engine_output(self.to_message(out), now)
         if isinstance(action, StopDecode):
             self._engine.abort(action.rid)
