@@ -232,7 +232,9 @@ class Initiator(KVInitiator):
         try:
             if os.fstat(fd).st_size < nbytes:
                 raise TransferError(f"shm target {path} is smaller than its descriptor says")
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            # Not populated: only the pages this process writes count in its RSS (until ``trim``), not the whole
+            # pool that the target's RSS already holds.
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             raise

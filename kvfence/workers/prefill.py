@@ -230,6 +230,9 @@ class PrefillWorker(WorkerBase):
             else:
                 actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), ship.first_token or 0,
                                              ship.first_logprob, ship.prompt_logprobs)
+        if actions and not self.runner.draining:  # a shipment ended and none is in flight: the pages of decode's
+            self.initiator.trim()  # pool this process wrote stop counting in its RSS (the next write faults them back:
+            # ~1 ms per 5 MB, under 1% of the prefill that wrote them)
         return actions
 
     def has_work(self) -> bool:
