@@ -230,8 +230,9 @@ def run(args: argparse.Namespace) -> dict:
             levels += [load.median_run(r) for r in runs.values()]
         prefill = {}
         for s in servers if args.long_prompt else []:  # best of --repeats: one prompt is at the host's mercy
-            prefill[s.name] = min((load.long_prompt(clients[s.name], args.long_prompt) for _ in range(args.repeats)),
-                                  key=lambda p: p["ttft_s"])
+            words = load.calibrate(clients[s.name], args.long_prompt)
+            prefill[s.name] = min((load.long_prompt(clients[s.name], args.long_prompt, rep, words)
+                                   for rep in range(args.repeats)), key=lambda p: p["ttft_s"])
             print(f"  {s.name}: {prefill[s.name]['prompt_tokens']}-token prompt, TTFT {prefill[s.name]['ttft_s']:.2f} "
                   "s", file=sys.stderr, flush=True)
     finally:

@@ -138,7 +138,10 @@ async def closed_loop(client: Client, label: str, concurrency: int, requests: in
         nonlocal failures
         for i in todo:
             try:
-                results.append(await client.complete(http, make_prompt(i, words), max_tokens))
+                try:
+                    results.append(await client.complete(http, make_prompt(i, words), max_tokens))
+                except httpx.RemoteProtocolError:  # a kept-alive connection the server had closed (llama-server
+                    results.append(await client.complete(http, make_prompt(i, words), max_tokens))  # does): again
             except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
                 failures += 1
                 print(f"    request {i} failed: {e}", file=sys.stderr)
@@ -164,9 +167,11 @@ def median_run(runs: list[Run]) -> dict:
     return out
 
 
-def long_prompt(client: Client, tokens: int) -> dict:
-    """One prompt of ``tokens`` tokens, one output token: TTFT and prefill tok/s."""
-    result = asyncio.run(_single(client, make_prompt(10**6, calibrate(client, tokens))))
+def long_prompt(client: Client, tokens: int, repeat: int = 0, words: int | None = None) -> dict:
+    """One prompt of ``tokens`` tokens (``words`` filler words where already calibrated), one output token: TTFT
+    and prefill tok/s. Each ``repeat`` sends a prompt of its own, which no prefix cache can answer."""
+    words = calibrate(client, tokens) if words is None else words
+    result = asyncio.run(_single(client, make_prompt(10**6 + repeat, words)))
     return {"prompt_tokens": result.prompt_tokens, "ttft_s": result.ttft,
             "prefill_tok_s": result.prompt_tokens / result.ttft}
 
