@@ -184,12 +184,13 @@ static inline void store_tile(const float *c, int rows, uint16_t *y, int64_t ldy
         _mm256_storeu_si256((__m256i *)(y + m * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[m])));
 }
 
-/* One x block (16 rows) against 4 (or 1) weight tiles, C tiles 0-3. */
+/* One x block (16 rows) against NB (4, 2 or 1) weight tiles, C tiles 0 .. NB - 1. */
 #define AMX_GROUP(NB)                                                                                            \
     static inline void amx_group_##NB(const uint16_t *xp, const uint16_t *w, int64_t ldw, int64_t K, float *c,   \
                                       const char *pf, int64_t pf_lines) {                                        \
         _tile_zero(0);                                                                                           \
-        if (NB > 1) { _tile_zero(1); _tile_zero(2); _tile_zero(3); }                                         \
+        if (NB > 1) _tile_zero(1);                                                                               \
+        if (NB > 2) { _tile_zero(2); _tile_zero(3); }                                                            \
         for (int64_t k = 0; k < K; k += 32) {                                                                    \
             for (int64_t l = 0; l < pf_lines; l++) _mm_prefetch(pf + (k / 32 * pf_lines + l) * 64, _MM_HINT_T0); \
             _tile_loadd(4, xp + k * 16, 64);                                                                     \
@@ -198,6 +199,8 @@ static inline void store_tile(const float *c, int rows, uint16_t *y, int64_t ldy
             if (NB > 1) {                                                                                        \
                 _tile_loadd(6, w + 16 * ldw + k, ldw * 2);                                                       \
                 _tile_dpbf16ps(1, 6, 4);                                                                         \
+            }                                                                                                    \
+            if (NB > 2) {                                                                                        \
                 _tile_loadd(5, w + 32 * ldw + k, ldw * 2);                                                       \
                 _tile_dpbf16ps(2, 5, 4);                                                                         \
                 _tile_loadd(6, w + 48 * ldw + k, ldw * 2);                                                       \
@@ -205,10 +208,12 @@ static inline void store_tile(const float *c, int rows, uint16_t *y, int64_t ldy
             }                                                                                                    \
         }                                                                                                        \
         _tile_stored(0, c, 64);                                                                                  \
-        if (NB > 1) { _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64); } \
+        if (NB > 1) _tile_stored(1, c + 256, 64);                                                                \
+        if (NB > 2) { _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64); }                              \
     }
 
 AMX_GROUP(4)
+AMX_GROUP(2)
 AMX_GROUP(1)
 
 /* Two x blocks against two weight tiles (2 x 2 C tiles: c holds w0 x0, w0 x1, w1 x0, w1 x1): four loads for four
@@ -312,7 +317,7 @@ void kvf_expand_rows(const uint8_t *w, int fmt, const int64_t *rows, int64_t n, 
 
 /* This thread's buffer ``slot`` of at least n bytes, 64-byte aligned, kept between calls (a fresh large one costs
  * page faults, and a call per matmul adds up). */
-enum { BUF_EXPANDED, BUF_QUANTIZED, BUF_UNPACKED, BUF_SLOTS };
+enum { BUF_EXPANDED, BUF_QUANTIZED, BUF_UNPACKED, BUF_SCORES, BUF_WEIGHTS, BUF_SLOTS };
 static void *thread_buffer(int slot, int64_t n) {
     static __thread void *buf[BUF_SLOTS];
     static __thread int64_t cap[BUF_SLOTS];
@@ -322,6 +327,19 @@ static void *thread_buffer(int slot, int64_t n) {
         buf[slot] = aligned_alloc(64, cap[slot]);
     }
     return buf[slot];
+}
+
+/* This thread's buffer of at least n bytes, 64-byte aligned, kept between calls; a call's OpenMP team shares the
+ * calling thread's. */
+static void *caller_buffer(int64_t n) {
+    static __thread void *buf;
+    static __thread int64_t cap;
+    if (n > cap) {
+        free(buf);
+        cap = (n + 63) / 64 * 64;
+        buf = aligned_alloc(64, cap);
+    }
+    return buf;
 }
 
 /* The product with w as N rows of K / 32 blocks of format fmt (FMT_Q4_1 or FMT_Q8_0) on vectors: a thread expands
@@ -342,37 +360,44 @@ void kvf_gemm_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, 
 }
 
 #ifdef __AMX_TILE__
-/* w: bf16 rows of stride ldw (fmt FMT_BF16), or rows of K / 32 blocks. A thread takes groups of 64 (then 16)
- * weight rows; block rows are first expanded into its own buffer, then every x row passes over the group. Needs
- * K % 32 == 0 and N % 16 == 0 (the caller checks); x rows may have any stride ldx. */
+/* x rows [m0, m0 + 16) (zeros past M) into the tile layout of xp's block m0 / 16: [K / 2 pairs][16 rows]. */
+static void pack_x_block(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int64_t m0, uint32_t *xp) {
+    uint32_t *block = xp + m0 / 16 * K * 8;
+    if (M - m0 < 8) { /* a few rows: one by one */
+        memset(block, 0, K * 32);
+        for (int64_t m = m0; m < M; m++)
+            for (int64_t p = 0; p < K / 2; p++) block[p * 16 + m - m0] = ((const uint32_t *)(x + m * ldx))[p];
+        return;
+    }
+    for (int64_t p = 0; p < K / 2; p += 16) { /* 16 rows x 16 pairs at a time */
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; i++)
+            r[i] = m0 + i < M ? _mm512_loadu_si512(x + (m0 + i) * ldx + 2 * p) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int64_t i = 0; i < 16; i++) _mm512_store_si512(block + (p + i) * 16, r[i]);
+    }
+}
+
+/* w: bf16 rows of stride ldw (fmt FMT_BF16), or rows of K / 32 blocks. The team first packs x's 16-row blocks,
+ * then each thread takes groups of 64 weight rows, or of 32 where 64 would leave threads unevenly loaded (the
+ * last group may be smaller): block rows are first expanded into its own buffer, then every x block passes over
+ * the group, two at a time. Needs K % 32 == 0 and N % 16 == 0 (the caller checks); x rows may have any stride. */
 static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int64_t ldw, uint16_t *y, int64_t ldy,
                      int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t mblocks = (M + 15) / 16, groups4 = N / 64, groups = groups4 + (N % 64) / 16;
+    const int64_t wide = N / 64 % nthreads == 0 || N / 64 >= 8 * nthreads ? 64 : 32; /* rows per group */
+    const int64_t mblocks = (M + 15) / 16, groups = (N + wide - 1) / wide;
     const int64_t row_bytes = fmt == FMT_BF16 ? ldw * 2 : K / 32 * BLOCK_BYTES[fmt];
-    uint32_t *xp = aligned_alloc(64, mblocks * K * 32);  /* per m block: [K / 2 pairs][16 rows] of bf16 pairs */
-    if (M < 8) { /* a few rows: one by one */
-        memset(xp, 0, K * 32);
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t p = 0; p < K / 2; p++) xp[p * 16 + m] = ((const uint32_t *)(x + m * ldx))[p];
-    } else {
-        for (int64_t mb = 0; mb < mblocks; mb++) /* 16 rows x 16 pairs at a time, rows past M zero */
-            for (int64_t p = 0; p < K / 2; p += 16) {
-                __m512i r[16];
-                for (int64_t i = 0; i < 16; i++)
-                    r[i] = mb * 16 + i < M ? _mm512_loadu_si512(x + (mb * 16 + i) * ldx + 2 * p) : _mm512_setzero_si512();
-                transpose16(r);
-                for (int64_t i = 0; i < 16; i++) _mm512_store_si512(xp + mb * K * 8 + (p + i) * 16, r[i]);
-            }
-    }
+    uint32_t *xp = caller_buffer(mblocks * K * 32); /* per m block: [K / 2 pairs][16 rows] of bf16 pairs */
 #pragma omp parallel num_threads(nthreads)
     {
+#pragma omp for schedule(static)
+        for (int64_t mb = 0; mb < mblocks; mb++) pack_x_block(x, ldx, M, K, mb * 16, xp);
         float c[4 * 256] __attribute__((aligned(64)));
-        uint16_t *expanded = fmt == FMT_BF16 ? NULL : thread_buffer(BUF_EXPANDED, 64 * K * 2);
+        uint16_t *expanded = fmt == FMT_BF16 ? NULL : thread_buffer(BUF_EXPANDED, wide * K * 2);
         configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
-            const int nb = g < groups4 ? 4 : 1;
-            const int64_t n0 = g < groups4 ? g * 64 : groups4 * 64 + (g - groups4) * 16;
+            const int64_t n0 = g * wide, nb = (N - n0 < wide ? N - n0 : wide) / 16; /* weight tiles: 4 to 1 */
             const char *rows = (const char *)w + n0 * row_bytes;
             const uint16_t *wg = (const uint16_t *)rows;
             int64_t ld = ldw;
@@ -382,14 +407,13 @@ static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int
             }
             /* the first pass over a group streams the next group's weights into cache, K / 32 parts */
             const char *pf = rows + 16 * nb * row_bytes;
-            const int64_t pf_lines = g + 1 < groups && PREFETCH ? (64 * row_bytes / 64) / (K / 32) + 1 : 0;
+            const int64_t pf_lines = g + 1 < groups && PREFETCH ? (wide * row_bytes / 64) / (K / 32) + 1 : 0;
             int64_t mb = 0;
-            if (nb == 4) /* x blocks in pairs while there are two */
+            if (nb % 2 == 0) /* x blocks in pairs while there are two */
                 for (; mb + 1 < mblocks; mb += 2) {
                     const uint16_t *xb = (const uint16_t *)(xp + mb * K * 8);
-                    const int rows0 = block_rows(M - mb * 16);
-                    const int rows1 = block_rows(M - mb * 16 - 16);
-                    for (int j = 0; j < 4; j += 2) {
+                    const int rows0 = block_rows(M - mb * 16), rows1 = block_rows(M - mb * 16 - 16);
+                    for (int64_t j = 0; j < nb; j += 2) {
                         amx_pair(xb, xb + K * 16, wg + j * 16 * ld, ld, K, c, pf, mb == 0 && j == 0 ? pf_lines : 0);
                         uint16_t *y0 = y + mb * 16 * ldy + n0 + 16 * j;
                         store_tile(c, rows0, y0, ldy);
@@ -402,14 +426,14 @@ static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int
                 const uint16_t *xb = (const uint16_t *)(xp + mb * K * 8);
                 const int64_t lines = mb == 0 ? pf_lines : 0;
                 if (nb == 4) amx_group_4(xb, wg, ld, K, c, pf, lines);
-                else amx_group_1(xb, wg, ld, K, c, pf, lines);
+                else if (nb == 2) amx_group_2(xb, wg, ld, K, c, pf, lines);
+                else for (int64_t j = 0; j < nb; j++) amx_group_1(xb, wg + j * 16 * ld, ld, K, c + j * 256, pf, j ? 0 : lines);
                 const int rows_m = block_rows(M - mb * 16);
                 for (int j = 0; j < nb; j++) store_tile(c + j * 256, rows_m, y + mb * 16 * ldy + n0 + 16 * j, ldy);
             }
         }
         _tile_release();
     }
-    free(xp);
 }
 
 void kvf_gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, uint16_t *y, int64_t ldy,
@@ -700,6 +724,19 @@ static inline __m512 exp_ps(__m512 x) {
 }
 
 
+/* 2^x (degree-6 polynomial on the fraction; 0 far below, inf far above). */
+static inline __m512 exp2_ps(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* A task reads one head's 2 D bytes of each slot: a stride the hardware prefetchers do not follow, so the loops
  * fetch the position 8 ahead themselves (1.3-1.6x at 16-32 sequences of 300-1,000 tokens, one thread). */
 static inline void prefetch_head(const uint16_t *p, int64_t D) {
@@ -771,81 +808,77 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
 
 /* ---- prefill attention, on tiles or (built without them) on vectors -------------------------------------------
  *
- * For one K/V head of one sequence: its S positions are packed into tile layouts (K transposed in pairs of d, V in
- * pairs of positions; zeros past S), then up to 16 query rows that share the head attend: scores on tiles (fp32),
- * a float32 softmax over the positions each row sees, the weights rounded to bf16 for the product with V on
- * tiles (or vdpbf16ps, below), and that divided by the weights' (fp32) sum. Prefill runs one task per query head, 16 of its queries
- * at a time, each seeing the positions up to its own. A task reads only its own rows and head and runs the same
- * instructions whichever thread runs it, so a chunk's result depends on nothing else in the batch.
+ * For one K/V head of one sequence: its S positions are packed once into tile layouts (K transposed in pairs of d,
+ * V in pairs of positions; zeros past S), then up to 16 query rows that share the head attend: scores on tiles
+ * (fp32), a float32 softmax over the positions each row sees (exp as 2^x, the scale and log2 e folded into one
+ * multiply-subtract), the weights rounded to bf16 for the product with V on tiles (or vdpbf16ps, below), and that
+ * divided by the weights' (fp32) sum. A task is one query head and 16 of its queries, each seeing the positions
+ * up to its own; it reads only its own rows and head and runs the same instructions whichever thread runs it, so
+ * a chunk's result depends on nothing else in the batch.
  */
 #define TILE_MAX_D 64
 
-typedef struct { /* one thread's buffers for sequences of up to cap positions */
-    uint32_t *kt, *vp;
+typedef struct { /* a K/V head's packed positions (shared by a call's threads), and one thread's score buffers */
+    const uint32_t *kt, *vp;
     float *sc;
     uint16_t *p;
     int64_t cap;
 } attn_scratch;
 
-static attn_scratch scratch_alloc(int64_t S) {
-    const int64_t cap = (S + 31) / 32 * 32;
-    return (attn_scratch){
-        .kt = aligned_alloc(64, cap * TILE_MAX_D * 2), /* per 16 positions, per 32 d: [16 d pairs][16 positions] */
-        .vp = aligned_alloc(64, cap * TILE_MAX_D * 2), /* per 32 positions, per 16 d: [16 position pairs][16 d] */
-        .sc = aligned_alloc(64, 16 * cap * 4),
-        .p = aligned_alloc(64, 16 * cap * 2),
-        .cap = cap,
-    };
-}
-
-static void scratch_free(attn_scratch *w) { free(w->kt), free(w->vp), free(w->sc), free(w->p); }
-
-/* K/V head h of positions slots[0 .. S) into w's tile layouts. */
-static void pack_head(const uint16_t *kv, int64_t slot_stride, const int64_t *slots, int64_t S, int64_t h, int64_t KV,
-                      int64_t D, attn_scratch *w) {
-    const int64_t S16 = (S + 15) / 16 * 16, S32 = (S + 31) / 32 * 32, DP = D / 32;
-    for (int64_t j0 = 0; j0 < S16; j0 += 16)
+/* Positions [j0, j1) (j0 a multiple of 32) of K/V head h of slots[0 .. S) into the tile layouts kt (per 16
+ * positions, per 32 d: [16 d pairs][16 positions]) and vp (per 32 positions, per 16 d: [16 position pairs][16 d]);
+ * zeros past S. */
+static void pack_head(const uint16_t *kv, int64_t slot_stride, const int64_t *slots, int64_t S, int64_t j0,
+                      int64_t j1, int64_t h, int64_t KV, int64_t D, uint32_t *kt, uint32_t *vp) {
+    const int64_t DP = D / 32;
+    for (int64_t b = j0; b < j1; b += 16)
         for (int64_t d = 0; d < D; d += 32) {
             __m512i r[16];
             for (int64_t j = 0; j < 16; j++)
-                r[j] = j0 + j < S ? _mm512_loadu_si512(kv + slots[j0 + j] * slot_stride + h * D + d) : _mm512_setzero_si512();
+                r[j] = b + j < S ? _mm512_loadu_si512(kv + slots[b + j] * slot_stride + h * D + d) : _mm512_setzero_si512();
             transpose16(r);
-            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(w->kt + (j0 / 16 * DP + d / 32) * 256 + i * 16, r[i]);
+            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(kt + (b / 16 * DP + d / 32) * 256 + i * 16, r[i]);
         }
-    for (int64_t j0 = 0; j0 < S32; j0 += 32)
+    for (int64_t b = j0; b < j1; b += 32)
         for (int64_t i = 0; i < 16; i++) {
-            const int64_t a = j0 + 2 * i, b = a + 1;
+            const int64_t a = b + 2 * i, c = a + 1;
             for (int64_t d = 0; d < D; d += 16) {
                 const __m256i va = a < S ? _mm256_loadu_si256((const __m256i *)(kv + slots[a] * slot_stride + (KV + h) * D + d))
                                          : _mm256_setzero_si256();
-                const __m256i vb = b < S ? _mm256_loadu_si256((const __m256i *)(kv + slots[b] * slot_stride + (KV + h) * D + d))
+                const __m256i vb = c < S ? _mm256_loadu_si256((const __m256i *)(kv + slots[c] * slot_stride + (KV + h) * D + d))
                                          : _mm256_setzero_si256();
-                _mm512_store_si512(w->vp + (j0 / 32 * (D / 16) + d / 16) * 256 + i * 16,
+                _mm512_store_si512(vp + (b / 32 * (D / 16) + d / 16) * 256 + i * 16,
                                    _mm512_or_si512(_mm512_cvtepu16_epi32(va), _mm512_slli_epi32(_mm512_cvtepu16_epi32(vb), 16)));
             }
         }
 }
 
-/* Softmax weights of score rows r < 16 of w->sc (r sees positions [0, seen[r]) when r < rows, none otherwise):
- * exp(scale s - max), unnormalised, rounded to bf16 into w->p, zero past what r sees up to ``keys32``; inv[r] =
- * 1 / their fp32 sum (0 for r >= rows). */
-static void softmax_rows(int64_t rows, const int64_t *seen, int64_t keys32, float scale, attn_scratch *w,
-                         float inv[16]) {
+/* Each score row r < rows of w->sc's max over the positions [0, seen[r]) it sees. */
+static void row_maxes(int64_t rows, const int64_t *seen, const attn_scratch *w, float mx[16]) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = w->sc + r * w->cap;
+        __m512 m = _mm512_set1_ps(-FLT_MAX);
+        for (int64_t j = 0; j < seen[r]; j += 16) m = _mm512_mask_max_ps(m, first_lanes(seen[r] - j), m, _mm512_loadu_ps(row + j));
+        mx[r] = _mm512_reduce_max_ps(m);
+    }
+}
+
+/* Softmax weights of score rows r < 16 of w->sc (r sees positions [0, seen[r]) when r < rows, none otherwise; mx[r]
+ * its max score): exp(scale s - scale max), unnormalised, rounded to bf16 into w->p, zero past what r sees up to
+ * ``keys32``; inv[r] = 1 / their fp32 sum (0 for r >= rows). round(max(s) scale) is max(round(s scale)), as
+ * rounding a product with scale > 0 keeps the order. */
+static void softmax_rows(int64_t rows, const int64_t *seen, const float mx[16], int64_t keys32, float scale,
+                         attn_scratch *w, float inv[16]) {
     const int64_t ld = w->cap;
     for (int64_t r = 0; r < 16; r++) {
         const float *row = w->sc + r * ld;
         uint16_t *pr = w->p + r * ld;
         const int64_t n = r < rows ? seen[r] : 0;
-        __m512 mx = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = first_lanes(n - j);
-            mx = _mm512_mask_max_ps(mx, m, mx, _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(scale)));
-        }
-        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f), mc = _mm512_set1_ps(r < rows ? mx[r] * scale * 1.44269504088896341f : 0.0f);
+        __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < keys32; j += 16) {
             const __mmask16 m = first_lanes(n - j);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(
-                _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_set1_ps(scale)), mv)));
+            const __m512 e = _mm512_maskz_mov_ps(m, exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, row + j), c, mc)));
             sum = _mm512_add_ps(sum, e);
             _mm256_store_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
         }
@@ -862,17 +895,21 @@ static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, u
     int64_t last = 0;
     for (int64_t r = 0; r < rows; r++) last = seen[r] > last ? seen[r] : last;
     const int64_t keys16 = (last + 15) / 16 * 16, keys32 = (last + 31) / 32 * 32;
+    _tile_loadd(4, qb, D * 2); /* the rows' d [0, 32), and [32, 64) */
+    if (D > 32) _tile_loadd(5, qb + 32, D * 2);
     for (int64_t j0 = 0; j0 < keys16; j0 += 16) { /* scores: 16 rows x 16 positions */
         _tile_zero(0);
-        for (int64_t d = 0; d < D; d += 32) {
-            _tile_loadd(4, qb + d, D * 2);
-            _tile_loadd(6, w->kt + (j0 / 16 * DP + d / 32) * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(6, w->kt + j0 / 16 * DP * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (D > 32) {
+            _tile_loadd(7, w->kt + (j0 / 16 * DP + 1) * 256, 64);
+            _tile_dpbf16ps(0, 5, 7);
         }
         _tile_stored(0, w->sc + j0, ld * 4);
     }
-    float inv[16];
-    softmax_rows(rows, seen, keys32, scale, w, inv);
+    float inv[16], top[16];
+    row_maxes(rows, seen, w, top);
+    softmax_rows(rows, seen, top, keys32, scale, w, inv);
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t j0 = 0; j0 < keys32; j0 += 32) { /* weights x V: 16 rows x D */
         _tile_loadd(4, w->p + j0, ld * 2);
@@ -955,8 +992,9 @@ static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, u
         for (; j0 + 64 <= keys16; j0 += 64) scores_4(q32, D, w->kt, j0, w->sc + r0 * ld, ld);
         for (; j0 < keys16; j0 += 16) scores_1(q32, D, w->kt, j0, w->sc + r0 * ld, ld);
     }
-    float inv[16];
-    softmax_rows(rows, seen, keys32, scale, w, inv);
+    float inv[16], top[16];
+    row_maxes(rows, seen, w, top);
+    softmax_rows(rows, seen, top, keys32, scale, w, inv);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int64_t nr = rows - r0 < 4 ? rows - r0 : 4;
         int64_t most = 0;
@@ -973,37 +1011,43 @@ static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, u
 #endif
 
 /* One chunk of n queries at positions S - n .. S - 1 over its sequence's S positions (slots), causal. q: row i at
- * q + i * ldq, H heads of D; out: row i at out + i * ldo. D is 32 or 64 (the caller checks). */
+ * q + i * ldq, H heads of D; out: row i at out + i * ldo. D is 32 or 64 (the caller checks).
+ * First each K/V head is packed once (the team splits the heads' 64-position spans), then the team takes tasks of
+ * one query head and 16 query rows, the costliest (last rows, most keys) first, so the threads end together. */
 void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, int64_t slot_stride,
                            const int64_t *slots, int64_t n, int64_t S, int64_t H, int64_t KV, int64_t D, float scale,
                            uint16_t *out, int64_t ldo, int nthreads) {
-    const int64_t G = H / KV;
+    const int64_t G = H / KV, cap = (S + 63) / 64 * 64, head = cap * D, spans = cap / 64, blocks = (n + 15) / 16;
+    uint32_t *packed = caller_buffer(KV * head * 4); /* per K/V head: kt (cap D / 2 words), then vp (as many) */
 #pragma omp parallel num_threads(nthreads)
     {
-        attn_scratch w = scratch_alloc(S);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < KV * spans; t++) {
+            uint32_t *kt = packed + t / spans * head;
+            pack_head(kv, slot_stride, slots, S, t % spans * 64, t % spans * 64 + 64, t / spans, KV, D, kt, kt + head / 2);
+        }
+        attn_scratch w = {.sc = thread_buffer(BUF_SCORES, 16 * cap * 4), .p = thread_buffer(BUF_WEIGHTS, 16 * cap * 2),
+                          .cap = cap};
         uint16_t qb[16 * TILE_MAX_D] __attribute__((aligned(64)));
 #ifdef __AMX_BF16__
         configure_tiles();
 #endif
-#pragma omp for schedule(static)
-        for (int64_t h = 0; h < H; h++) {
-            pack_head(kv, slot_stride, slots, S, h / G, KV, D, &w);
-            for (int64_t i0 = 0; i0 < n; i0 += 16) {
-                const int64_t rows = block_rows(n - i0);
-                int64_t seen[16];
-                uint16_t *dst[16];
-                memset(qb, 0, sizeof qb);
-                for (int64_t r = 0; r < rows; r++) {
-                    memcpy(qb + r * D, q + (i0 + r) * ldq + h * D, D * 2);
-                    seen[r] = S - n + i0 + r + 1, dst[r] = out + (i0 + r) * ldo + h * D;
-                }
-                attend_rows(qb, rows, seen, dst, D, scale, &w);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < H * blocks; t++) {
+            const int64_t h = t % H, i0 = (blocks - 1 - t / H) * 16, rows = block_rows(n - i0);
+            w.kt = packed + h / G * head, w.vp = w.kt + head / 2;
+            int64_t seen[16];
+            uint16_t *dst[16];
+            memset(qb, 0, sizeof qb);
+            for (int64_t r = 0; r < rows; r++) {
+                memcpy(qb + r * D, q + (i0 + r) * ldq + h * D, D * 2);
+                seen[r] = S - n + i0 + r + 1, dst[r] = out + (i0 + r) * ldo + h * D;
             }
+            attend_rows(qb, rows, seen, dst, D, scale, &w);
         }
 #ifdef __AMX_BF16__
         _tile_release();
 #endif
-        scratch_free(&w);
     }
 }
 
