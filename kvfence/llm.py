@@ -90,6 +90,7 @@ class LLM:
         import torch
 
         from kvfence.engine.engine import Engine
+        from kvfence.model import kernels
         from kvfence.model.loader import load_model
         from kvfence.tools.audit import PreflightError, preflight, usable_pool_tokens
 
@@ -108,6 +109,7 @@ class LLM:
         config = EngineConfig(max_context=max_context, kv_pool_tokens=pool, page_size=page_size,
                               max_batch=max_batch, chunk_size=chunk_size, step_tokens=chunk_size)
         self.engine = Engine(self.loaded.model, self.tokenizer, config, torch_dtype, device)
+        kernels.release_thread_pool()  # generate() may run in another thread than this one
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:

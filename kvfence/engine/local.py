@@ -42,6 +42,7 @@ class LocalEngine:
         self._sinks: dict[int, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvfence-engine", daemon=True)
+        kernels.release_thread_pool()  # the engine thread's parallel regions would otherwise wait on wake-ups
         self._thread.start()
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
