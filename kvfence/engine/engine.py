@@ -173,7 +173,7 @@ class Engine:
             return work, []
         if self.region is not None:
             self._stamp_new_grants(work)
-        if self.pages.holders:
+        if self.pages.holders or any(w.seq.shared for w in work):
             work, failed = self._check_references(work)
             if failed:
                 good, outputs = self._verify(work)
@@ -195,11 +195,11 @@ class Engine:
         return self._without_ended(good, failed), self._fail_all(failed)
 
     def _check_references(self, work: list[Work]) -> tuple[list[Work], list[Work]]:
-        """L3 for shared pages: (work whose sequences hold every page they read that is shared, the rest)."""
+        """L3 for shared pages: (work whose sequences hold every page they borrow or read shared, the rest)."""
         good, failed = [], []
         for w in work:
             seq = w.seq
-            reads = [i for i, page in enumerate(seq.page_ids) if page in self.pages.holders]
+            reads = [i for i, page in enumerate(seq.page_ids) if i < seq.shared or page in self.pages.holders]
             ok = not reads or self.pages.held_by(seq.rid, seq.tags[0][reads], seq.tags[3][reads])
             (good if ok else failed).append(w)
         return self._without_ended(good, failed), failed
