@@ -228,3 +228,21 @@ def test_abort_frees_every_choices_pages():
     assert engine.abort(1).finish_reason is FinishReason.ABORT
     assert not engine.seqs and engine.pages.num_free == engine.pages.num_pages
     engine.check_integrity()
+
+
+def test_every_choice_makes_its_required_call_streamed_or_not(server):
+    from tests.test_tools import TOOLS
+
+    kw = {"model": "llama", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 150, "n": 2,
+          "seed": 8}
+    whole = server.client().chat.completions.create(**kw)
+    ChatCompletion.model_validate(whole.model_dump())
+    assert [c.finish_reason for c in whole.choices] == ["tool_calls"] * 2
+    streamed: list[list[tuple[str, str]]] = [[], []]
+    finishes: list[str | None] = [None, None]
+    for chunk in server.client().chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            streamed[choice.index] += [(t.function.name, t.function.arguments) for t in choice.delta.tool_calls or ()]
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert streamed == [[(t.function.name, t.function.arguments) for t in c.message.tool_calls] for c in whole.choices]
+    assert finishes == ["tool_calls"] * 2
