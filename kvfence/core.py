@@ -6,6 +6,7 @@ raises one, the router can hand it to the client unchanged.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from dataclasses import dataclass, field, replace
@@ -15,6 +16,18 @@ from enum import StrEnum
 def new_request_id() -> int:
     """A 128-bit random request id: the owner stamped on every KV page."""
     return secrets.randbits(128)
+
+
+MAX_CHOICES = 16  # the most choices (``n``) one request may ask for
+
+
+def branch_rid(rid: int, index: int) -> int:
+    """The id of choice ``index`` of request ``rid``: ``rid`` itself for choice 0, else a hash of both (the owner
+    stamped on that choice's own KV pages)."""
+    if index == 0:
+        return rid
+    digest = hashlib.blake2b(rid.to_bytes(16, "big") + index.to_bytes(2, "big"), digest_size=16).digest()
+    return int.from_bytes(digest, "big") or 1
 
 
 class KvfenceError(Exception):
@@ -114,6 +127,9 @@ class SamplingParams:
     top-k, top-p and min-p pick the token. ``logprobs`` (k >= 0) asks for the chosen token's log-probability
     and the k most likely, from the model's raw logits (before any of the above, vLLM's default);
     ``prompt_logprobs`` the same for every prompt token after the first (what echo with logprobs shows).
+
+    ``n`` choices share one prefill of the prompt; choice i samples with its own generator, seeded ``seed + i``
+    when a ``seed`` is given (so choice i is what ``n=1`` with ``seed + i`` gives).
     """
 
     max_tokens: int
@@ -133,6 +149,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k's
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's (from the second on) and the top k's
     grammar: str | None = None  # llguidance grammar the output must match (structured output)
+    n: int = 1  # choices: sequences sampled from one prefill of the prompt
 
     @property
     def greedy(self) -> bool:
@@ -186,7 +203,11 @@ class TokenLogprob:
 
 @dataclass
 class RequestOutput:
-    """One step's news for a request: new tokens and text, and maybe its end."""
+    """One step's news for one choice (``index``) of a request: new tokens and text, and maybe its end.
+
+    ``choice_finish`` ends the choice; ``finish_reason`` ends the request (set on its last output, once every
+    choice has ended). ``completion_tokens`` counts the tokens of every choice so far.
+    """
 
     rid: int
     token_ids: list[int]
@@ -201,6 +222,12 @@ class RequestOutput:
     preemptions: int = 0  # on the last output: times a worker preempted it (reported by the worker side)
     logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids`` when the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first output, when asked: prompt tokens 2..n
+    index: int = 0  # the choice these tokens belong to
+    choice_finish: FinishReason | None = None  # set on the choice's last output
+
+    def __post_init__(self) -> None:
+        if self.choice_finish is None:
+            self.choice_finish = self.finish_reason  # one choice: its end is the request's
 
     @property
     def finished(self) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvfence import core
 from kvfence.config import EngineConfig, default_pool_tokens
-from kvfence.core import FinishReason, KvfenceError
+from kvfence.core import MAX_CHOICES, FinishReason, KvfenceError
 
 Prompt = str | list[int]
 Chat = list[dict[str, str]]
@@ -27,8 +27,10 @@ Chat = list[dict[str, str]]
 @dataclass(frozen=True)
 class SamplingParams:
     """vLLM's defaults: 16 tokens at temperature 1. ``temperature=0`` is greedy; ``top_k`` 0 or -1 is off.
-    ``core.SamplingParams`` says how the penalties, bias and bans shape the logits, and where logprobs come from."""
+    ``core.SamplingParams`` says how the penalties, bias and bans shape the logits, and where logprobs come from,
+    and how ``n`` choices (1..16) share one prefill."""
 
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -47,7 +49,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def for_engine(self) -> core.SamplingParams:
-        if (self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1
+        if (not 1 <= self.n <= MAX_CHOICES or self.max_tokens < 1 or self.temperature < 0
+                or not 0 < self.top_p <= 1 or self.top_k < -1
                 or not 0 <= self.min_p <= 1 or not 0 <= self.min_tokens <= self.max_tokens
                 or self.repetition_penalty <= 0 or min(self.logprobs or 0, self.prompt_logprobs or 0) < 0):
             raise ValueError(f"invalid sampling parameters: {self}")
@@ -57,7 +60,7 @@ class SamplingParams:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted((self.logit_bias or {}).items())),
             min_tokens=self.min_tokens, min_p=self.min_p, stop_token_ids=tuple(self.stop_token_ids or ()),
-            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs, n=self.n)
 
 
 @dataclass
@@ -131,7 +134,8 @@ class LLM:
         requests = [core.Request(p, params) for p in ids]
         for req in requests:
             self.engine.add(req)  # raises (ContextLengthExceeded, ...) before any page is granted
-        results = {r.rid: RequestOutput(f"{r.rid:032x}", t, r.prompt_ids, [CompletionOutput(0, "", [], None)])
+        results = {r.rid: RequestOutput(f"{r.rid:032x}", t, r.prompt_ids,
+                                        [CompletionOutput(i, "", [], None) for i in range(params.n)])
                    for r, t in zip(requests, texts, strict=True)}
         pending = set(results)
         try:
@@ -141,13 +145,14 @@ class LLM:
                         raise out.error
                     if out.prompt_logprobs is not None:
                         results[out.rid].prompt_logprobs = out.prompt_logprobs
-                    done = results[out.rid].outputs[0]
+                    done = results[out.rid].outputs[out.index]
                     done.text += out.text
                     done.token_ids += out.token_ids
                     if out.logprobs is not None:
                         done.logprobs = (done.logprobs or []) + out.logprobs
+                    if out.choice_finish is not None:
+                        done.finish_reason = out.choice_finish.value
                     if out.finished:
-                        done.finish_reason = out.finish_reason.value
                         pending.discard(out.rid)
                         if out.finish_reason is FinishReason.ERROR:
                             raise KvfenceError(f"the engine failed request {out.rid:032x}")

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 LAYERS = ("preflight", "admission", "propagation", "tags", "coverage", "checksum", "deferred_release",
-          "deferred_abort")
+          "deferred_abort", "shared_write")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class Safety:
     checksum: bool = True  # L5: xxh3 per page and per transfer
     deferred_release: bool = True  # L6: no page freed before Done or AbortAck
     deferred_abort: bool = True  # L7: a disconnect mid-transfer waits for the handoff
+    shared_write: bool = True  # n > 1: the prompt's partial last page is copied per branch; no write hits a shared page
 
     @classmethod
     def from_env(cls, value: str | None = None) -> Safety:

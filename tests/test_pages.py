@@ -190,3 +190,77 @@ def test_all_held_refuses_malformed_arguments():
         table.all_held([good], np.zeros(3, dtype=np.uint8))  # tag records of the wrong size
     with pytest.raises(TypeError):
         table.all_held(None, None)
+
+
+# -- sharing (n > 1 choices) ---------------------------------------------------------------------------------
+
+C = 0xC000_0000_0000_0000_0000_0000_0000_0001
+
+
+def test_a_shared_page_stays_allocated_until_its_last_holder_frees_it():
+    t = PageTable(4)
+    a = t.grant(A, 2)
+    t.share(A, a, B)
+    t.share(A, a[:1], C)
+    assert [t.refcount(g.page) for g in a] == [3, 2]
+    t.free(A, a)  # the owner leaves first: both pages stay, still tagged as A's
+    assert (t.num_free, [t.refcount(g.page) for g in a], t.owner_of(0)) == (2, [2, 1], A)
+    assert t.holds(B, a[1]) and not t.holds(A, a[1])
+    t.check_integrity()
+    t.free(B, a)
+    assert (t.num_free, t.refcount(0), t.refcount(1)) == (3, 1, 0)
+    t.free(C, a[:1])
+    assert t.num_free == 4 and not t.holders
+    t.check_integrity()
+
+
+def test_a_released_reference_cannot_be_freed_again_nor_read():
+    t = PageTable(2)
+    a = t.grant(A, 1)
+    t.share(A, a, B)
+    t.free(B, a)
+    with pytest.raises(PageError):
+        t.free(B, a)
+    assert not t.held_by(B, *tags(t, A, a)[::3])
+    assert t.held_by(A, *tags(t, A, a)[::3])
+    t.share(A, a, B)
+    t.free(A, a)
+    with pytest.raises(PageError, match="already released"):
+        t.free(A, a)  # A still owns the page (its tags name A), but no longer holds it
+    assert not t.held_by(A, *tags(t, A, a)[::3]) and t.held_by(B, *tags(t, A, a)[::3])
+
+
+def test_only_a_holder_shares_and_only_once():
+    t = PageTable(2)
+    a = t.grant(A, 1)
+    with pytest.raises(PageError):
+        t.share(B, a, C)  # B holds nothing
+    t.share(A, a, B)
+    with pytest.raises(PageError):
+        t.share(A, a, B)
+    t.set_state(A, a, PageState.WRITING)
+    with pytest.raises(PageError, match="being written"):
+        t.share(A, a, C)  # a transfer may still land in it
+
+
+def test_writing_into_a_page_with_several_holders_is_refused():
+    t = PageTable(3)
+    a = t.grant(A, 2)
+    t.check_writable([0, 1])
+    t.share(A, a[:1], B)
+    t.check_writable([1])
+    with pytest.raises(PageError, match="read-only"):
+        t.check_writable([1, 0])
+    t.free(A, a[:1])  # B is its only holder now: B may write
+    t.check_writable([0])
+
+
+def test_a_shared_page_cannot_be_quarantined():
+    t = PageTable(2)
+    a = t.grant(A, 1)
+    t.share(A, a, B)
+    with pytest.raises(PageError, match="shared"):
+        t.quarantine(A, a, "test")
+    t.free(B, a)
+    t.quarantine(A, a, "test")
+    t.check_integrity()

@@ -1,6 +1,6 @@
 """The sans-IO protocol cores, fed messages directly; each test asserts the exact messages and actions out."""
 
-from kvfence.core import ContextLengthExceeded, Request, SamplingParams
+from kvfence.core import ContextLengthExceeded, Request, SamplingParams, TokenLogprob
 from kvfence.kvcache.pages import PageGrant, PageState, PageTable
 from kvfence.protocol.actions import Deliver, Send, StartDecode, StartPrefill, StopDecode, StopPrefill
 from kvfence.protocol.decode import DecodeCore, DecodeLimits
@@ -22,6 +22,8 @@ from kvfence.protocol.messages import (
     Progress,
     Reject,
     WorkerDown,
+    decode_message,
+    encode_message,
 )
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
 from kvfence.protocol.router import RouterCore, retry_rid
@@ -226,6 +228,18 @@ def test_prefill_happy_path_in_either_order():
         assert core.handle(sender(second), second, now=0) == [start]
         assert core.computed(RID, 6, 99, 42) == [Send(D, Done(RID, 6, 99, 42))]
         assert core.reqs == {}
+
+
+def test_prefills_done_carries_every_choices_first_token_for_decode_to_fork():
+    core = prefill_core()
+    core.handle(R, Prefill(RID, "tenant-a", [1, 2, 3, 4, 5, 6], Params(2, n=3), D), now=0)
+    core.handle(D, Dest(RID, [(0, 1), (1, 1)], 6), now=0)
+    lp = [TokenLogprob(-0.5), TokenLogprob(-1.5), TokenLogprob(-2.5)]
+    [send] = core.computed(RID, 6, 99, 42, lp[0], None, [(43, lp[1]), (44, lp[2])])
+    assert send == Send(D, Done(RID, 6, 99, 42, lp[0], None, [43, 44], lp[1:]))
+    assert send.msg.firsts() == [(42, lp[0]), (43, lp[1]), (44, lp[2])]
+    assert decode_message(encode_message(P, send.msg)).msg == send.msg
+    assert Done(RID, 6, 99, 42, more_tokens=[43]).firsts() == [(42, None), (43, None)]  # no logprobs asked
 
 
 def test_prefill_rejects_prompt_over_its_pool_before_compute():

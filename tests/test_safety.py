@@ -301,3 +301,37 @@ def test_l3_off_a_page_overwritten_under_a_decoding_request_changes_its_output(m
     outs = run_out(engine)
     assert outs[1][1].finish_reason == FinishReason.LENGTH
     assert outs[1][0] != clean[1][0]  # decoded from B's KV: what L3 stops
+
+
+# -- n > 1: copy-on-fork of the prompt's partial page --------------------------------------------------------
+
+
+def choices_of(model: str, safety: Safety, n: int, seed: int) -> list[list[int]]:
+    """Each choice's tokens for SHORT (30 tokens: its last page is partial) on a decode-side engine; every page is
+    free again at the end."""
+    loaded = load_model(model, dtype=torch.bfloat16)
+    config = EngineConfig(max_context=64, kv_pool_tokens=16 * PAGE, page_size=PAGE, max_batch=4, chunk_size=64)
+    engine = Engine(loaded.model, loaded.tokenizer, config, torch.bfloat16, safety=safety, remote_writes=True)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True, n=n)
+    engine.add(Request(SHORT, params, "t", rid=1))
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    while engine.seqs:
+        for out in engine.step():
+            tokens[out.index] += out.token_ids
+    engine.check_integrity()
+    assert engine.pages.num_free == engine.pages.num_pages
+    return tokens
+
+
+def test_forked_choices_write_into_their_own_copy_of_the_partial_page(model):
+    alone = [choices_of(model, Safety(), 1, 5 + i)[0] for i in range(3)]
+    assert choices_of(model, Safety(), 3, 5) == alone
+
+
+def test_shared_write_off_choices_write_into_one_partial_page_and_corrupt_each_other(model):
+    """With the partial page shared, every choice writes its first token's K/V into the same slot: all but the last
+    writer then read another choice's K/V."""
+    alone = [choices_of(model, Safety(), 1, 5 + i)[0] for i in range(3)]
+    corrupted = choices_of(model, Safety(shared_write=False), 3, 5)
+    assert [t[0] for t in corrupted] == [t[0] for t in alone]  # sampled from the prompt's logits: still right
+    assert [c == a for c, a in zip(corrupted, alone, strict=True)] == [False, False, True]  # the last writer wins

@@ -238,3 +238,25 @@ def test_preemption_spares_the_tenant_within_its_share_and_keeps_greedy_outputs_
     for req in requests():
         alone = generate(tiny, [req], pool_tokens=128)
         assert alone[req.rid] == (crowded[req.rid][0], 0)
+
+
+def test_a_forked_choice_reads_its_lenders_pages_under_the_lenders_tags_and_preemption_drops_only_references():
+    s = make(page=4, pool_tokens=32)
+    a, b = seq(9, rid=1), seq(9, rid=2)
+    s.add(a)
+    run(s)  # a's prompt: pages 0..2 (the last one holds 1 token)
+    s.pages.share(1, a.grants[:2], 2)
+    b.borrow(1, a.grants[:2])
+    b.add_grants(s.pages.grant(2, 1))  # its copy of the partial page
+    b.num_computed = 9
+    b.req.output_ids.append(7)
+    s.add_branch(b)
+    pages, owner_hi, owner_lo, epochs = b.tags
+    assert pages.tolist() == [0, 1, 3]
+    assert [(int(h) << 64) | int(lo) for h, lo in zip(owner_hi, owner_lo, strict=True)] == [1, 1, 2]
+    assert s.pages.held_by(2, pages, epochs) and not s.pages.held_by(3, pages, epochs)
+    assert [s.pages.refcount(p) for p in range(4)] == [2, 2, 1, 1]
+    s._preempt(b)  # b recomputes later on pages of its own; a keeps the prompt's pages
+    assert [s.pages.refcount(p) for p in range(4)] == [1, 1, 1, 0]
+    assert (b.shared, b.lender, b.grants) == (0, 0, [])
+    s.pages.check_integrity()

@@ -74,6 +74,7 @@ class LocalEngine:
             "kv_pages_total": e.pages.num_pages,
             "kv_pages_free": e.pages.num_free,
             "preemptions": e.scheduler.num_preempted,
+            "prompt_tokens_computed": e.prompt_tokens_computed,
             **({"cpu": kernels.detect().summary()} if e.model.device.type == "cpu" else {}),
         }
 

@@ -13,12 +13,12 @@ from kvfence.core import Request, SamplingParams, TokenLogprob
 from kvfence.engine.grammar import Guide
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A per-request generator; None for greedy requests."""
+def make_generator(params: SamplingParams, index: int = 0) -> torch.Generator | None:
+    """The generator of choice ``index`` of a request (seeded ``seed + index`` when seeded); None for greedy."""
     if params.greedy:
         return None
     gen = torch.Generator()
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    gen.manual_seed(params.seed + index if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
     return gen
 
 

@@ -40,11 +40,18 @@ from kvfence.protocol.capacity import FairShares
 
 @dataclass(eq=False)
 class Sequence:
-    """A request's engine-side state: its pages and how far its KV is computed."""
+    """A request's (or one choice's) engine-side state: its pages and how far its KV is computed.
+
+    A forked choice reads its first ``shared`` grants by reference: ``lender`` owns them (their tags name it).
+    """
 
     req: Request
     generator: torch.Generator | None = None
+    index: int = 0  # which choice of its request
+    group: Group | None = None  # the request's choices, when it has several
     grants: list[PageGrant] = field(default_factory=list)
+    lender: int = 0
+    shared: int = 0
     num_computed: int = 0  # positions whose K/V are in the pool
     tags: tuple[np.ndarray, ...] = ()  # (pages, owner_hi, owner_lo, epochs) for PageTable.verify
     stamped: int = 0  # grants whose tag records already name this request (decode with remote writers)
@@ -69,18 +76,41 @@ class Sequence:
 
     def add_grants(self, grants: list[PageGrant]) -> None:
         self.grants += grants
-        n = len(self.grants)
+        owners = np.array([self.lender] * self.shared + [self.rid] * (len(self.grants) - self.shared), dtype=object)
         self.tags = (
             np.array(self.page_ids, dtype=np.int64),
-            np.full(n, self.rid >> 64, dtype=np.uint64),
-            np.full(n, self.rid & (2**64 - 1), dtype=np.uint64),
+            (owners >> 64).astype(np.uint64),
+            (owners & (2**64 - 1)).astype(np.uint64),
             np.array([g.epoch for g in self.grants], dtype=np.uint64),
         )
 
+    def borrow(self, lender: int, grants: list[PageGrant]) -> None:
+        """Read ``grants`` (pages ``lender`` owns, shared with this sequence) as its first pages."""
+        assert not self.grants, "a sequence borrows its prompt's pages before it holds any"
+        self.lender, self.shared = lender, len(grants)
+        self.add_grants(grants)
+
     def drop_grants(self) -> list[PageGrant]:
         grants, self.grants, self.tags = self.grants, [], ()
-        self.num_computed = self.stamped = 0
+        self.num_computed = self.stamped = self.shared = self.lender = 0
         return grants
+
+
+@dataclass(eq=False)
+class Group:
+    """The ``n`` choices of one request: choice 0 computes the prompt, the others fork from it at the first token.
+
+    ``trackers`` hold each choice's output state until it forks; ``open`` counts choices not yet ended.
+    """
+
+    rid: int
+    branches: list[Sequence]
+    trackers: list  # [OutputTracker], one per choice
+    open: int
+    forked: bool = False
+    tokens: int = 0  # completion tokens of every choice so far
+    pages: list[tuple[int, int]] = field(default_factory=list)  # grants read by the choices that ended
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,6 +149,11 @@ class Scheduler:
         """Take ``seq`` straight into the batch (its prompt's KV is already in its pages; its tenant pays for it)."""
         self._arrive(seq)
         self.shares.start(seq.req.tenant, seq.req.prompt_len, seq.req.weight)
+        self.running.append(seq)
+
+    def add_branch(self, seq: Sequence) -> None:
+        """Take a forked choice into the batch: its prompt's KV is shared, nobody pays for it again."""
+        self._arrive(seq)
         self.running.append(seq)
 
     def remove(self, seq: Sequence) -> None:

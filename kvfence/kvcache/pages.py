@@ -11,6 +11,10 @@ Contracts:
 - Only the owner may free or quarantine a page, and only under the epoch it
   was granted with; anything else raises ``PageError``. A double free raises.
 - A quarantined page is never granted again until ``release_quarantine``.
+- Sharing (n > 1 choices): ``share`` lets another request hold a page by reference, read-only. A page's owner
+  and epoch never change while it is held; its holders are the owner and every sharer until each frees it, and
+  the page returns to the free queue only when its last holder frees it. A shared page cannot be quarantined,
+  and ``check_writable`` refuses any page with more than one holder.
 - ``check_integrity`` holds whenever no call is in progress.
 
 ``all_held`` is L3's fast path: one call into ``tag_check.c`` per decode step; where it says no (or is not
@@ -80,6 +84,7 @@ class PageTable:
         self.filled = np.zeros(num_pages, dtype=np.int32)
         self.state = np.full(num_pages, PageState.FREE, dtype=np.uint8)
         self.quarantine_reason: dict[int, str] = {}
+        self.holders: dict[int, set[int]] = {}  # shared pages only: who holds a reference (the owner may have left)
         self._free: deque[int] = deque(range(num_pages))
 
     # -- queries -----------------------------------------------------------
@@ -105,6 +110,30 @@ class PageTable:
 
     def owner_of(self, page: int) -> int:
         return (int(self.owner_hi[page]) << 64) | int(self.owner_lo[page])
+
+    def refcount(self, page: int) -> int:
+        """How many requests hold ``page``: 0 when it is free or quarantined."""
+        if page in self.holders:
+            return len(self.holders[page])
+        return int(_HELD[self.state[page]])
+
+    def holds(self, holder: int, grant: PageGrant) -> bool:
+        """Whether ``holder`` holds ``grant``'s page under its epoch, as its owner or by a reference."""
+        page = grant.page
+        if not (0 <= page < self.num_pages and _HELD[self.state[page]] and int(self.epoch[page]) == grant.epoch):
+            return False
+        shared = self.holders.get(page)
+        return holder in shared if shared is not None else self.owner_of(page) == holder
+
+    def held_by(self, holder: int, pages: np.ndarray, epochs: np.ndarray) -> bool:
+        """L3 for a reader of shared pages: ``holder`` holds every one of ``pages`` under ``epochs``."""
+        return all(self.holds(holder, PageGrant(int(p), int(e))) for p, e in zip(pages, epochs, strict=True))
+
+    def check_writable(self, pages: list[int]) -> None:
+        """Raise ``PageError`` if any of ``pages`` has more than one holder: a write would reach another reader."""
+        for page in pages:
+            if len(self.holders.get(page, ())) > 1:
+                raise PageError(f"page {page} is shared by {len(self.holders[page])} requests; it is read-only")
 
     # -- transitions ---------------------------------------------------------
 
@@ -137,19 +166,36 @@ class PageTable:
         self._check_owned(owner, grant)
         self.filled[grant.page] = tokens
 
-    def free(self, owner: int, grants: list[PageGrant]) -> None:
-        """Return pages to the back of the free queue. Raises on a page not held by ``owner``."""
+    def share(self, holder: int, grants: list[PageGrant], sharer: int) -> None:
+        """``sharer`` takes a reference to pages ``holder`` holds, none of them WRITING (a transfer may still land)."""
         for g in grants:
-            self._check_owned(owner, g)
+            if not self.holds(holder, g) or self.state[g.page] == PageState.WRITING:
+                raise PageError(f"page {g.page} epoch {g.epoch} is not held by {holder:032x}, or is being written")
+            if self.holds(sharer, g):
+                raise PageError(f"page {g.page} is already held by {sharer:032x}")
         for g in grants:
+            self.holders.setdefault(g.page, {self.owner_of(g.page)}).add(sharer)
+
+    def free(self, holder: int, grants: list[PageGrant]) -> None:
+        """Drop ``holder``'s hold on pages; a page whose last holder leaves goes to the back of the free queue.
+        Raises on a page not held by ``holder``."""
+        for g in grants:
+            if not self.holds(holder, g):
+                self._check_owned(holder, g)  # raises, naming why
+                raise PageError(f"page {g.page}: {holder:032x} already released its reference")
+        for g in grants:
+            if self._release_reference(holder, g.page):
+                continue
             self._clear(g.page)
             self.state[g.page] = PageState.FREE
             self._free.append(g.page)
 
     def quarantine(self, owner: int, grants: list[PageGrant], reason: str) -> None:
-        """Take pages out of circulation: a write into them may still land."""
+        """Take pages out of circulation: a write into them may still land. A shared page cannot be."""
         for g in grants:
             self._check_owned(owner, g)
+            if g.page in self.holders:
+                raise PageError(f"page {g.page} is shared; only an unshared page can be quarantined")
         for g in grants:
             self._clear(g.page)
             self.state[g.page] = PageState.QUARANTINED
@@ -200,6 +246,8 @@ class PageTable:
         unowned = (self.owner_hi == 0) & (self.owner_lo == 0)
         if np.any(unowned & held):
             raise PageError("a held page has no owner")
+        if any(not held[p] or not h for p, h in self.holders.items()):
+            raise PageError("a shared page is not held, or has no holder")
 
     # -- internals -----------------------------------------------------------
 
@@ -212,6 +260,17 @@ class PageTable:
             raise PageError(f"page {page} is {state.name.lower()}, not held (double free?)")
         if self.owner_of(page) != owner or int(self.epoch[page]) != grant.epoch:
             raise PageError(f"page {page} epoch {grant.epoch} is not held by {owner:032x}")
+
+    def _release_reference(self, holder: int, page: int) -> bool:
+        """Drop ``holder`` from a shared page; True while others still hold it (the page stays as it is)."""
+        shared = self.holders.get(page)
+        if shared is None:
+            return False
+        shared.discard(holder)
+        if len(shared) > 1 or (shared and shared != {self.owner_of(page)}):
+            return True
+        del self.holders[page]  # back to its owner alone, or to nobody
+        return bool(shared)
 
     def _clear(self, page: int) -> None:
         self.owner_hi[page] = self.owner_lo[page] = 0

@@ -56,6 +56,11 @@ class KVPool:
             idx = torch.tensor(pages)
             self.data.index_copy_(0, idx.to(self.data.device), self.host.index_select(0, idx).to(self.data.device))
 
+    def copy_page(self, src: int, dst: int, tokens: int) -> None:
+        """Copy the first ``tokens`` slots of page ``src`` into page ``dst`` (copy-on-fork of a prompt's partial
+        last page: each branch then writes its own tokens into its own copy)."""
+        self.data[dst, :tokens] = self.data[src, :tokens]  # [tokens, layers, 2, kvh, hd]
+
     def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V ``[T, kv_heads, head_dim]`` of ``layer`` for T tokens at (page, offset) pairs."""
         self.data[pages, offsets, layer] = torch.stack((k, v), dim=1)  # [T, 2, kvh, hd]

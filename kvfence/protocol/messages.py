@@ -70,6 +70,7 @@ class Params(msgspec.Struct, frozen=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: str | None = None
+    n: int = 1
 
     @classmethod
     def of(cls, p: SamplingParams) -> Params:
@@ -128,13 +129,23 @@ class Dest(RequestMsg, frozen=True):
 
 
 class Done(RequestMsg, frozen=True):
-    """Prefill -> decode: every write has landed; no further write follows."""
+    """Prefill -> decode: every write has landed; no further write follows.
+
+    With ``n`` > 1 choices, ``more_tokens`` are the first tokens of choices 1..n-1, sampled from the same logits
+    as ``first_token`` (choice 0's), each with its choice's own generator; decode forks the choices."""
 
     tokens: int
     checksum: int
     first_token: int
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # when the request asked for them (echo)
+    more_tokens: list[int] = []
+    more_logprobs: list[TokenLogprob | None] = []  # one per more_tokens, when the request asked for logprobs
+
+    def firsts(self) -> list[tuple[int, TokenLogprob | None]]:
+        """Each choice's first token and its logprob."""
+        more = self.more_logprobs or [None] * len(self.more_tokens)
+        return [(self.first_token, self.first_logprob), *zip(self.more_tokens, more, strict=True)]
 
 
 class Progress(RequestMsg, frozen=True):
@@ -173,6 +184,8 @@ class Output(RequestMsg, frozen=True):
     preemptions: int = 0  # last only: times decode preempted this request (the router counts them per tenant)
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # first only, when asked: prompt tokens 2..n
+    index: int = 0  # the choice these tokens belong to (``n`` > 1)
+    choice_finish: str | None = None  # that choice ended (``finish_reason`` ends the request, after every choice)
 
 
 class Reject(RequestMsg, frozen=True):
@@ -202,6 +215,7 @@ class Hello(Msg, frozen=True):
     total_pages: int = 0
     quarantine_reasons: dict[str, int] = {}  # reason -> pages quarantined for it
     cpu: str = ""  # the model's compute capabilities here (``kernels.Capabilities.summary``); "" on a GPU
+    prompt_tokens_computed: int = 0  # prompt positions whose K/V this worker computed since it started
 
 
 class Peers(Msg, frozen=True):

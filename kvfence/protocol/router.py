@@ -457,7 +457,7 @@ class RouterCore:
 
     def _send(self, req: Request, prefill: str, decode: str) -> list[Action]:
         p, d = self.workers[prefill], self.workers[decode]
-        reserved = d.pages(req.prompt_len + self._output_reserve(req))
+        reserved = self._decode_pages(d, req)
         rid = self.wire_rid(req.rid)
         self.reqs[rid] = RouterReq(rid, req.tenant, prefill, decode, req, req.prompt_len, reserved)
         idle_pair = p.in_flight == d.in_flight == 0
@@ -475,6 +475,12 @@ class RouterCore:
     def _output_reserve(self, req: Request) -> int:
         reserve = self.limits.output_reserve_tokens
         return min(req.params.max_tokens, reserve) if reserve is not None else 0
+
+    def _decode_pages(self, w: WorkerInfo, req: Request) -> int:
+        """Pages ``req`` reserves on decode ``w``: its prompt and output reserve, and for each further choice a
+        copy of the prompt's last page and its own output reserve (the prompt's full pages are shared)."""
+        reserve = self._output_reserve(req)
+        return w.pages(req.prompt_len + reserve) + (req.params.n - 1) * (1 + w.pages(reserve))
 
     def _pick_pair(self, req: Request) -> tuple[str, str] | None:
         """Among the workers that fit the request and have room for it now: the least-loaded prefill by backlog,
@@ -499,7 +505,7 @@ class RouterCore:
     def _decode_has_room(self, w: WorkerInfo, req: Request) -> bool:
         if self.limits.output_reserve_tokens is None or w.in_flight == 0:
             return True
-        return w.reserved_pages + w.pages(req.prompt_len + self._output_reserve(req)) <= w.usable_pages()
+        return w.reserved_pages + self._decode_pages(w, req) <= w.usable_pages()
 
     def _trusted(self, w: WorkerInfo) -> bool:
         return w.hello.worker not in self.suspected

@@ -383,15 +383,9 @@ class OpenAIServer:
             raise
         finally:
             await gen.close(client_gone=gone)
-        text: str | None = "".join(o.text for o in outs)
-        calls: list[ToolCall] = []
-        if job.tools is not None:
-            text, calls = job.tools.parse(text)
-        tokens = tokens_of(outs)
-        if job.echo is not None:
-            echoed = echo_tokens(job, outs[0])
-            text, tokens = job.echo + text, Tokens(echoed.ids + tokens.ids, [*echoed.logprobs, *tokens.logprobs])
-        return JSONResponse(fmt.completion(text, outs[-1].finish_reason, *gen.usage(), tokens, calls))
+        n = gen.request.params.n
+        choices = [_choice(fmt, job, i, [o for o in outs if o.index == i], outs[0]) for i in range(n)]
+        return JSONResponse(fmt.completion(choices, *gen.usage()))
 
     async def _stream(self, http: Request, gen: Generation, fmt: Format, job: Job) -> Response:
         try:
@@ -440,6 +434,21 @@ class OpenAIServer:
         return ids
 
 
+def _choice(fmt: Format, job: Job, index: int, outs: list[RequestOutput], first: RequestOutput) -> dict:
+    """Choice ``index`` of a whole response, from its outputs ``outs`` (``first``: the request's first output, which
+    carries the prompt's logprobs)."""
+    text: str | None = "".join(o.text for o in outs)
+    calls: list[ToolCall] = []
+    if job.tools is not None:
+        text, calls = job.tools.parse(text)
+    tokens = tokens_of(outs)
+    if job.echo is not None:
+        echoed = echo_tokens(job, first)
+        text, tokens = job.echo + text, Tokens(echoed.ids + tokens.ids, [*echoed.logprobs, *tokens.logprobs])
+    finish = next(o.choice_finish for o in reversed(outs) if o.choice_finish is not None)
+    return fmt.choice(index, text, finish, tokens, calls)
+
+
 def echo_tokens(job: Job, first: RequestOutput) -> Tokens:
     """The echoed prompt's tokens, with their logprobs (from the first output) when the request asked."""
     scores = first.prompt_logprobs
@@ -457,34 +466,40 @@ def _as_kvfence(err: Exception) -> KvfenceError:
 
 
 async def _events(gen: Generation, fmt: Format, first: RequestOutput, job: Job) -> AsyncIterator[bytes]:
-    """The SSE body: opening chunk, the echoed prompt, text deltas (and tool-call deltas, each call whole once its
-    block closed), finish chunk, usage chunk, ``[DONE]``.
+    """The SSE body: for each choice, an opening chunk and the echoed prompt; then text deltas (and tool-call
+    deltas, each call whole once its block closed) and a finish chunk per choice, each chunk naming its choice's
+    ``index``; the usage chunk; ``[DONE]``.
 
     Settles ``gen``'s outcome; closing the engine iterator is ``EventStream``'s job.
     """
-    calls = CallStream(job.tools) if job.tools is not None else None
+    n = gen.request.params.n
+    calls = [CallStream(job.tools) for _ in range(n)] if job.tools is not None else None
+    offsets, called = [0] * n, [0] * n
     try:
-        for chunk in fmt.opening():
-            yield sse(chunk)
-        out, offset, called = first, 0, 0
-        if job.echo is not None:
-            yield sse(fmt.delta(job.echo, echo_tokens(job, first)))
-            offset = len(job.echo)
+        for i in range(n):
+            for chunk in fmt.opening(i):
+                yield sse(chunk)
+            if job.echo is not None:
+                yield sse(fmt.delta(job.echo, echo_tokens(job, first), i))
+                offsets[i] = len(job.echo)
+        out = first
         while True:
-            pieces: list[str | ToolCall] = [out.text] if calls is None else calls.feed(out.text)
-            if out.finished and calls is not None:
-                pieces += calls.finish()
+            i = out.index
+            pieces: list[str | ToolCall] = [out.text] if calls is None else calls[i].feed(out.text)
+            if out.choice_finish is not None and calls is not None:
+                pieces += calls[i].finish()
             text = "".join(p for p in pieces if isinstance(p, str))
             if text or out.logprobs:
-                yield sse(fmt.delta(text, tokens_of([out], offset)))
-                offset += len(out.text)
+                yield sse(fmt.delta(text, tokens_of([out], offsets[i]), i))
+                offsets[i] += len(out.text)
             for call in (p for p in pieces if isinstance(p, ToolCall)):
-                yield sse(fmt.tool_call(called, call))
-                called += 1
+                yield sse(fmt.tool_call(called[i], call, i))
+                called[i] += 1
+            if out.choice_finish is not None:
+                yield sse(fmt.finish(finish_with_calls(out.choice_finish, called[i] > 0), i))
             if out.finished:
                 break
             out = await gen.next()
-        yield sse(fmt.finish(finish_with_calls(out.finish_reason, called > 0)))
         if fmt.include_usage:
             yield sse(fmt.usage_chunk(*gen.usage()))
         gen.succeeded()

@@ -27,6 +27,9 @@ Metrics:
 - ``kvfence_kv_pages_total{worker,role}``, ``kvfence_kv_pages_in_use{worker,role}``,
   ``kvfence_kv_pages_quarantined{worker,role}``: each worker's KV pool, from its latest heartbeat.
 - ``kvfence_kv_transfers_in_flight``: requests sent to a prefill/decode pair whose KV has not yet landed.
+- ``kvfence_prompt_tokens_computed_total{worker,role}``: prompt positions whose KV each worker computed since it
+  started (from its latest heartbeat; recomputes after preemption included). The ``n`` choices of one request
+  compute their prompt once.
 
 vLLM's names, under ``kvfence:`` (a dashboard built for vLLM reads them as they are):
 
@@ -45,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvfence.core import KvfenceError, TooManyRequests
@@ -164,6 +167,11 @@ class EngineCollector(Collector):
             in_use.add_metric([worker, role], n_total - n_free - n_quarantined)
             quarantined.add_metric([worker, role], n_quarantined)
         yield from (total, in_use, quarantined)
+        computed = CounterMetricFamily("kvfence_prompt_tokens_computed", "Prompt positions whose KV the worker "
+                                       "computed (each request's choices share one prefill).", labels=labels)
+        for worker, role, tokens in _prompt_tokens_computed(health):
+            computed.add_metric([worker, role], tokens)
+        yield computed
         yield GaugeMetricFamily("kvfence_kv_transfers_in_flight", "Requests whose KV transfer has not yet ended.",
                                 value=health.get("transfers_in_flight", 0))
         queued = GaugeMetricFamily("kvfence_queue_length", "Requests waiting in the router's queue for a worker.",
@@ -186,6 +194,14 @@ def _running_waiting(health: dict) -> tuple[int, int]:
     if "running" in health:
         return health["running"], health.get("waiting", 0) + queued
     return health.get("in_flight", 0), queued
+
+
+def _prompt_tokens_computed(health: dict) -> Iterator[tuple[str, str, int]]:
+    """(worker, role, prompt tokens computed) for each engine ``health`` describes."""
+    if "prompt_tokens_computed" in health:
+        yield LOCAL_WORKER, "colocated", health["prompt_tokens_computed"]
+    for worker, info in health.get("workers", {}).items():
+        yield worker, info["role"], info.get("prompt_tokens_computed", 0)
 
 
 def _pools(health: dict) -> Iterator[tuple[str, str, tuple[int, int, int]]]:

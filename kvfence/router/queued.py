@@ -107,7 +107,10 @@ class QueuedEngine:
         return self._pool_pages is None or self._reserved_pages + self._pages(req) <= self._pool_pages
 
     def _pages(self, req: Request) -> int:
+        """The prompt and output reserve; each further choice adds a copy of the last page and its own reserve."""
         reserve = self.limits.output_reserve_tokens
         if reserve is None or self._pool_pages is None:
             return 0
-        return -(-(req.prompt_len + min(req.params.max_tokens, reserve)) // self._page_tokens)
+        reserve = min(req.params.max_tokens, reserve)
+        pages = -(-(req.prompt_len + reserve) // self._page_tokens)
+        return pages + (req.params.n - 1) * (1 + -(-reserve // self._page_tokens))

@@ -103,7 +103,8 @@ class RemoteEngine:
                 "quarantine_reasons": h.quarantine_reasons,
                 "running": h.running, "pool_tokens": h.pool_tokens, "max_context": h.max_context,
                 "drained": h.worker in self.core.drained, "suspected": h.worker in self.core.suspected,
-                "epoch": self.core.epochs.get(h.worker, 0), "cpu": h.cpu}
+                "epoch": self.core.epochs.get(h.worker, 0), "cpu": h.cpu,
+                "prompt_tokens_computed": h.prompt_tokens_computed}
 
     # -- admin ----------------------------------------------------------------------
 
@@ -235,5 +236,6 @@ def _to_output(action: Deliver) -> RequestOutput:
     finish = FinishReason(o.finish_reason) if o.finish_reason else None
     return RequestOutput(action.rid, o.token_ids, o.text, finish, prompt_tokens=o.prompt_tokens,
                          completion_tokens=o.completion_tokens, pages=o.pages, verification=o.verification,
-                         preemptions=o.preemptions, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs)
+                         preemptions=o.preemptions, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs,
+                         index=o.index, choice_finish=FinishReason(o.choice_finish) if o.choice_finish else finish)
 

@@ -75,33 +75,38 @@ class Format:
         prefix = "chatcmpl-" if chat else "cmpl-"
         return cls(chat, f"{prefix}{rid:032x}", created, model, include_usage, token_bytes)
 
-    def completion(self, text: str | None, finish: FinishReason, prompt_tokens: int, completion_tokens: int,
-                   tokens: Tokens = NO_TOKENS, calls: Sequence[ToolCall] = ()) -> dict:
-        """The whole (non-streaming) response; ``calls``: the tool calls read from the text (``text`` is what
+    def completion(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        """The whole (non-streaming) response, from ``choice``'s dicts; usage counts the prompt once."""
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, choices) | {"usage": usage(prompt_tokens, completion_tokens)}
+
+    def choice(self, index: int, text: str | None, finish: FinishReason, tokens: Tokens = NO_TOKENS,
+               calls: Sequence[ToolCall] = ()) -> dict:
+        """One choice of the whole response; ``calls``: the tool calls read from the text (``text`` is what
         remains, None when nothing does)."""
         finish = finish_with_calls(finish, bool(calls))
         if self.chat:
             message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message | ({"tool_calls": [c.as_dict() for c in calls]} if calls else {})}
+            choice = {"index": index,
+                      "message": message | ({"tool_calls": [c.as_dict() for c in calls]} if calls else {})}
         else:
-            choice = {"index": 0, "text": text}
-        choice |= {"logprobs": self._logprobs(tokens), "finish_reason": finish.value}
-        obj = "chat.completion" if self.chat else "text_completion"
-        return self._envelope(obj, [choice]) | {"usage": usage(prompt_tokens, completion_tokens)}
+            choice = {"index": index, "text": text}
+        return choice | {"logprobs": self._logprobs(tokens), "finish_reason": finish.value}
 
-    def opening(self) -> list[dict]:
-        """Chunks sent before any text: chat announces the assistant role with empty content."""
-        return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
+    def opening(self, index: int = 0) -> list[dict]:
+        """Chunks sent before any text of choice ``index``: chat announces the assistant role with empty content."""
+        return [self._chunk({"role": "assistant", "content": ""}, None, index=index)] if self.chat else []
 
-    def delta(self, text: str, tokens: Tokens = NO_TOKENS) -> dict:
-        return self._chunk({"content": text} if self.chat else text, None, self._logprobs(tokens))
+    def delta(self, text: str, tokens: Tokens = NO_TOKENS, index: int = 0) -> dict:
+        return self._chunk({"content": text} if self.chat else text, None, self._logprobs(tokens), index)
 
-    def tool_call(self, index: int, call: ToolCall) -> dict:
-        """A chat chunk carrying one whole tool call (``index``: its place among the response's calls)."""
-        return self._chunk({"tool_calls": [call.as_dict(index)]}, None)
+    def tool_call(self, number: int, call: ToolCall, index: int = 0) -> dict:
+        """A chat chunk carrying one whole tool call of choice ``index`` (``number``: its place among the choice's
+        calls)."""
+        return self._chunk({"tool_calls": [call.as_dict(number)]}, None, index=index)
 
-    def finish(self, finish: FinishReason) -> dict:
-        return self._chunk({} if self.chat else "", finish.value)
+    def finish(self, finish: FinishReason, index: int = 0) -> dict:
+        return self._chunk({} if self.chat else "", finish.value, index=index)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         """The last chunk when ``stream_options.include_usage``: no choices, only usage."""
@@ -111,8 +116,8 @@ class Format:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, delta: dict | str, finish: str | None, logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
+    def _chunk(self, delta: dict | str, finish: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
+        choice = {"index": index, "delta": delta} if self.chat else {"index": index, "text": delta}
         choice |= {"logprobs": logprobs, "finish_reason": finish}
         chunk = self._envelope(self._chunk_object, [choice])
         return chunk | {"usage": None} if self.include_usage else chunk

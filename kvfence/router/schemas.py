@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from kvfence.core import InvalidRequest, SamplingParams
+from kvfence.core import MAX_CHOICES, InvalidRequest, SamplingParams
 from kvfence.router.tools import CLOSE, OPEN, ToolUse
 
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
@@ -216,8 +216,8 @@ class GenerateBody(BaseModel):
 
     def check(self) -> None:
         """Reject, as ``InvalidRequest``, what parses but cannot be served."""
-        if self.n not in (None, 1):
-            raise InvalidRequest("Only n=1 is supported.", param="n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequest(f"'n' must be between 1 and {MAX_CHOICES}; got {self.n}.", param="n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true.", param="stream_options")
         for name, neutral in self.NEUTRAL.items():
@@ -274,6 +274,7 @@ class GenerateBody(BaseModel):
             logprobs=self.logprobs_wanted,
             prompt_logprobs=self.prompt_logprobs_wanted,
             grammar=grammar,
+            n=self.n or 1,
         )
 
 

@@ -62,7 +62,8 @@ class DecodeWorker(WorkerBase):
                      self.settings.max_context, free_pages=pages.num_free,
                      queued_tokens=len(self.core.waiting), running=len(sched.running), pid=os.getpid(),
                      quarantined_pages=pages.num_quarantined,
-                     quarantine_reasons=pages.quarantine_reasons(), total_pages=pages.num_pages, cpu=self.cpu)
+                     quarantine_reasons=pages.quarantine_reasons(), total_pages=pages.num_pages, cpu=self.cpu,
+                     prompt_tokens_computed=self._engine.prompt_tokens_computed)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, WorkerDown):
@@ -91,9 +92,8 @@ class DecodeWorker(WorkerBase):
             req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid, weight=a.weight)
             self._engine.pool.from_host([g.page for g in action.grants])  # verified: what landed is what decodes
             done = action.done
-            out = self._engine.add_prefilled(req, action.grants, done.first_token, done.first_logprob,
-                                             done.prompt_logprobs)
-            return self.core.engine_output(self.to_message(out), now)
+            outs = self._engine.add_prefilled(req, action.grants, done.firsts(), done.prompt_logprobs)
+            return [a for out in outs for a in self.core.engine_output(self.to_message(out), now)]
         if isinstance(action, StopDecode):
             self._engine.abort(action.rid)
             self.verified.pop(action.rid, None)
@@ -125,7 +125,8 @@ class DecodeWorker(WorkerBase):
             return Reject(out.rid, ErrorInfo.of(out.error), self.me)
         finish = out.finish_reason.value if isinstance(out.finish_reason, FinishReason) else None
         verification = self.verified.pop(out.rid, None) if finish else None
+        choice_finish = out.choice_finish.value if isinstance(out.choice_finish, FinishReason) else None
         return Output(out.rid, out.token_ids, out.text, finish, out.prompt_tokens, out.completion_tokens,
                       out.pages, verification, out.preemptions, logprobs=out.logprobs,
-                      prompt_logprobs=out.prompt_logprobs)
+                      prompt_logprobs=out.prompt_logprobs, index=out.index, choice_finish=choice_finish)
 

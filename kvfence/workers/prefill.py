@@ -39,8 +39,7 @@ class Shipment:
     shipped: int = 0  # pages sent so far
     sums: list[int] = field(default_factory=list)
     futures: list[Future] = field(default_factory=list)
-    first_token: int | None = None
-    first_logprob: TokenLogprob | None = None
+    firsts: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # each choice's first token
     prompt_logprobs: list[TokenLogprob] | None = None
     stopped: bool = False
 
@@ -108,13 +107,17 @@ class PrefillRunner(Engine):
             self.progressed[w.seq.rid] = w.end
 
     def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        self._fork(seq, [(token, logprob)])
+
+    def _fork(self, seq: Sequence, firsts: list[tuple[int, TokenLogprob | None]]) -> list:
+        """The prompt is computed and every choice has its first token: ship the last page; decode forks."""
         ship = self.shipments[seq.rid]
-        ship.first_token, ship.first_logprob = token, logprob
+        ship.firsts = firsts
         if seq.req.params.prompt_logprobs is not None:
             ship.prompt_logprobs = self.trackers[seq.rid].prompt_logprobs
         self._ship(seq, final=True)
         self._detach(seq)
-        return None
+        return []
 
     def _detach(self, seq: Sequence) -> None:
         """Out of the scheduler, pages still held: they are being read by transfers."""
@@ -194,7 +197,8 @@ class PrefillWorker(WorkerBase):
                      self.settings.max_context, free_pages=pages.num_free, queued_tokens=queued,
                      running=len(sched.running), pid=os.getpid(), quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(),
-                     total_pages=pages.num_pages, cpu=self.cpu)
+                     total_pages=pages.num_pages, cpu=self.cpu,
+                     prompt_tokens_computed=self.runner.prompt_tokens_computed)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, Peers):
@@ -228,8 +232,9 @@ class PrefillWorker(WorkerBase):
                 log.warning("request %032x: KV transfer to %s failed: %s", rid, ship.start.decode, err)
                 actions += self.core.compute_failed(rid, ServiceUnavailable(f"KV transfer failed: {err}"))
             else:
-                actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), ship.first_token or 0,
-                                             ship.first_logprob, ship.prompt_logprobs)
+                (first, logprob), *more = ship.firsts or [(0, None)]
+                actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), first, logprob,
+                                             ship.prompt_logprobs, more)
         if actions and not self.runner.draining:  # a shipment ended and none is in flight: the pages of decode's
             self.initiator.trim()  # pool this process wrote stop counting in its RSS (the next write faults them back:
             # ~1 ms per 5 MB, under 1% of the prefill that wrote them)
