@@ -27,7 +27,8 @@ from kvfence.engine.sampler import logprob_of, make_generator, sample, token_log
 from kvfence.engine.scheduler import Scheduler, Sequence, Work
 from kvfence.kvcache.pages import PageError, PageGrant, PageState, PageTable
 from kvfence.kvcache.pool import KVPool
-from kvfence.model.llama import Model, SeqChunk
+from kvfence.model.batch import SeqChunk
+from kvfence.model.llama import Model
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.safety import Safety
 
@@ -57,7 +58,7 @@ class Engine:
         self.seqs: dict[int, Sequence] = {}
         self.trackers: dict[int, OutputTracker] = {}
         if self.decodes:
-            model.prepare_decode_rows()
+            model.backend.prepare_decode_rows()
 
     @property
     def has_work(self) -> bool:

@@ -74,6 +74,7 @@ class LocalEngine:
             "kv_pages_free": e.pages.num_free,
             "preemptions": e.scheduler.num_preempted,
             **({"cpu": kernels.detect().summary()} if e.model.device.type == "cpu" else {}),
+            "backend": e.model.backend.name,
         }
 
     def close(self) -> None:

@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvfence.model.llama import Model, SeqChunk
+    from kvfence.model.batch import SeqChunk
+    from kvfence.model.llama import Model
     from kvfence.model.loader import LoadedModel, load_model
     from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -18,7 +19,7 @@ _HOMES = {
     "IncrementalDetokenizer": "tokenizer",
     "LoadedModel": "loader",
     "Model": "llama",
-    "SeqChunk": "llama",
+    "SeqChunk": "batch",
     "Tokenizer": "tokenizer",
     "load_model": "loader",
 }

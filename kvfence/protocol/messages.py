@@ -202,6 +202,7 @@ class Hello(Msg, frozen=True):
     total_pages: int = 0
     quarantine_reasons: dict[str, int] = {}  # reason -> pages quarantined for it
     cpu: str = ""  # the model's compute capabilities here (``kernels.Capabilities.summary``); "" on a GPU
+    backend: str = ""  # the model's backend here (``Backend.name``: "c-amx", "torch", ...)
 
 
 class Peers(Msg, frozen=True):

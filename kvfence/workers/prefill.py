@@ -194,7 +194,8 @@ class PrefillWorker(WorkerBase):
                      self.settings.max_context, free_pages=pages.num_free, queued_tokens=queued,
                      running=len(sched.running), pid=os.getpid(), quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(),
-                     total_pages=pages.num_pages, cpu=self.cpu)
+                     total_pages=pages.num_pages, cpu=self.cpu,
+                     backend=self.backend)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, Peers):
