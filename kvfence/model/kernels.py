@@ -355,7 +355,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
     """Rotary embedding in place on the query and key heads of qkv ``[T, H + 2 KV, D]`` (HF rotate_half; ``sin``
     with its sign folded in, both ``[T, D]``), then each row's K/V into pool slot ``slots[t]`` of kv
-    ``[num_slots, 2, KV, D]`` (a pool layer). Bit for bit what the torch ops in ``llama.py`` compute."""
+    ``[num_slots, 2, KV, D]`` (a pool layer). Bit for bit what the torch ops in ``backends/torch.py`` compute."""
     T, heads, D = qkv.shape
     KV = kv.shape[2]
     if qkv.stride()[1:] != (D, 1) or kv.stride()[1:] != (KV * D, D, 1) or D > 512:
