@@ -1,4 +1,4 @@
-"""Model: loading (GGUF, HF safetensors), tokenizer, and the forward over paged KV.
+"""Model: loading (GGUF, HF safetensors), tokenizer, and the forward over paged KV (``llama.py``, ``backends/``).
 
 The names below load on first use, so importing a torch-free submodule (``describe``, ``tokenizer``,
 ``gguf_file``: what the router uses) does not import torch through this package.

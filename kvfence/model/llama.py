@@ -23,7 +23,8 @@ from kvfence.model.weights import Weights
 
 
 class Model:
-    """A decoder's config, weights and layer order, and the backend that computes its forward."""
+    """A decoder's config, weights and layer order, and the backend that computes its forward (built over these
+    same ``weights``: it may regroup them at construction, ``Backend``)."""
 
     def __init__(self, config: ModelConfig, weights: Weights, backend: Backend) -> None:
         self.config, self.weights, self.backend = config, weights, backend
