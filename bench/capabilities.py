@@ -40,7 +40,8 @@ def child() -> None:
     from bench.decode import KvfenceRunner
     from kvfence.core import Request, SamplingParams
     from kvfence.model import kernels
-    from kvfence.model.loader import freeze_loaded_objects, load_model
+    from kvfence.model.loader import load_model
+    from kvfence.model.memory import freeze_loaded_objects
 
     threads = int(os.environ.get("BENCH_THREADS", "0"))
     if threads:

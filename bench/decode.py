@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvfence.config import EngineConfig  # noqa: E402
 from kvfence.core import Request, SamplingParams  # noqa: E402
 from kvfence.engine.engine import Engine  # noqa: E402
-from kvfence.model.loader import freeze_loaded_objects, load_model, smollm2_gguf_path  # noqa: E402
+from kvfence.model.loader import load_model, smollm2_gguf_path  # noqa: E402
+from kvfence.model.memory import freeze_loaded_objects  # noqa: E402
 
 PROMPT_LEN = 128
 
@@ -62,7 +63,7 @@ def memory_bandwidth_gbs(device: str) -> float:
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights read per decoded token: every parameter once (the embedding gather is negligible)."""
     seen, total = set(), 0
-    for t in model.parameters_for_bandwidth():
+    for t in model.backend.decode_weights():
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.nbytes
@@ -188,7 +189,7 @@ def main() -> None:
     }
     if device == "cuda":
         result["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        backend = loaded.model.decode_backend
+        backend = loaded.model.backend.decode_sdpa
         result["decode_attention"] = f"one {backend.name} call per group" if backend else "one call per sequence"
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))

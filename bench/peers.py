@@ -188,7 +188,7 @@ def bandwidth_limit() -> dict:
     from kvfence.model.loader import load_model
 
     loaded = load_model("smollm2-135m", dtype=torch.bfloat16, device="cpu")
-    loaded.model.prepare_decode_rows()
+    loaded.model.backend.prepare_decode_rows()
     gbs, wbytes = memory_bandwidth_gbs("cpu"), weight_bytes_per_token(loaded.model)
     return {"read_gb_s": gbs, "weight_bytes_per_token": wbytes, "batch1_limit_tok_s": gbs * 1e9 / wbytes}
 

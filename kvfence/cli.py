@@ -409,7 +409,7 @@ def serve_colocated(args: argparse.Namespace) -> int:
     from kvfence.config import EngineConfig
     from kvfence.engine.engine import Engine
     from kvfence.engine.local import LocalEngine
-    from kvfence.model.loader import freeze_loaded_objects
+    from kvfence.model.memory import freeze_loaded_objects
     from kvfence.router.queued import QueuedEngine
     from kvfence.tools.audit import refuse_to_start_unless_fits
 

@@ -86,14 +86,17 @@ def workers(server: Server, role: str) -> dict[str, dict]:
 
 
 def test_workers_report_their_cpu_capabilities_in_the_health_detail(model, four_workers):
-    """Each worker's Hello carries what its model computes with (``kernels.detect()``; the workers inherit this
-    process's environment, so the same host and overrides), and the colocated engine's health says the same."""
+    """Each worker's Hello carries what its model computes with (its backend and ``kernels.detect()``; the workers
+    inherit this process's environment, so the same host and overrides), and the colocated engine's health says the
+    same."""
     from kvfence.model import kernels
 
-    want = kernels.detect().summary()
-    assert {info["cpu"] for info in four_workers.health()["workers"].values()} == {want}
+    caps = kernels.detect()
+    want = {"cpu": caps.summary(), "backend": f"c-{caps.flavour}" if caps.flavour else "torch"}
+    for info in four_workers.health()["workers"].values():
+        assert {k: info[k] for k in want} == want
     with Server("--mode", "colocated", "--model", model, *COMMON, admin=True) as colocated:
-        assert colocated.health()["cpu"] == want
+        assert {k: colocated.health()[k] for k in want} == want
 
 
 def test_load_is_spread_and_streams_arrive_in_order(four_workers):

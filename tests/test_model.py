@@ -18,9 +18,10 @@ import torch
 from kvfence.config import ModelConfig
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import invariant, kernels
+from kvfence.model.batch import SeqChunk
 from kvfence.model.blocks import BLOCK_BYTES, BlockWeight, DecodeBlocks
 from kvfence.model.gguf_file import read_gguf
-from kvfence.model.llama import Model, SeqChunk
+from kvfence.model.llama import Model
 from kvfence.model.loader import _unpermute_rope, load_model, smollm2_gguf_path
 from tests.tiny_models import ARCHS, greedy, smollm2, tiny_model_dir
 
@@ -120,7 +121,7 @@ def test_smollm2_config(f32):
     assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == ("llama", 30, 576, 1536)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
     assert (cfg.rope_theta, cfg.max_context, cfg.tie_word_embeddings) == (100000.0, 8192, True)
-    assert f32.model.lm_head is f32.model.embed and 2 in tok.eos_token_ids
+    assert f32.model.weights.lm_head is f32.model.weights.embed and 2 in tok.eos_token_ids
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -522,17 +523,17 @@ def test_bf16_model_keeps_its_blocks_and_computes_what_the_dequantized_model_doe
     max-relative error 0.023 vs 0.013 for bf16, docs/performance.md), and the same prefill bits where AMX tiles
     keep prefill chunks on the bf16 expansion; without tiles they are int8 too (against float32 over a 100-token
     prompt: mean 0.031, max 0.074, vs 0.015 and 0.042 for bf16)."""
-    model = bf16.model
-    if model.int8_chunks:  # every row in int8: the layers and the head hold only the regrouped copies
-        assert isinstance(model.layers[0].gate_up, DecodeBlocks) and isinstance(model.lm_head, DecodeBlocks)
-        assert isinstance(model.embed, BlockWeight)
+    weights, backend = bf16.model.weights, bf16.model.backend
+    if backend.int8_chunks:  # every row in int8: the layers and the head hold only the regrouped copies
+        assert isinstance(weights.layers[0].gate_up, DecodeBlocks) and isinstance(weights.lm_head, DecodeBlocks)
+        assert isinstance(weights.embed, BlockWeight)
     else:
-        assert isinstance(model.layers[0].gate_up, BlockWeight) and model.lm_head is model.embed
+        assert isinstance(weights.layers[0].gate_up, BlockWeight) and weights.lm_head is weights.embed
     monkeypatch.setenv("KVFENCE_DECODE_INT8", "0")
     blocks = load_model("smollm2-135m", dtype=torch.bfloat16).model
     monkeypatch.setenv("KVFENCE_KEEP_BLOCKS", "0")
     dense = load_model("smollm2-135m", dtype=torch.bfloat16).model
-    assert isinstance(dense.layers[0].gate_up, torch.Tensor) and not blocks.decode_int8
+    assert isinstance(dense.weights.layers[0].gate_up, torch.Tensor) and not blocks.backend.decode_int8
     ids = bf16.tokenizer.encode(varied_text(120))[:150]
 
     def run(model: Model) -> list[torch.Tensor]:
@@ -546,12 +547,12 @@ def test_bf16_model_keeps_its_blocks_and_computes_what_the_dequantized_model_doe
 
     want = run(dense)
     assert all(torch.equal(a, b) for a, b in zip(run(blocks), want, strict=True))
-    if bf16.model.decode_int8:
+    if backend.decode_int8:
         got = run(bf16.model)
         for a, b in zip(got[1:], want[1:], strict=True):
             assert not torch.equal(a, b)  # decode rows really took the int8 kernel
             assert (a - b).abs().max() <= 0.06 * b.abs().max()
-        if not bf16.model.int8_chunks:
+        if not backend.int8_chunks:
             assert torch.equal(got[0], want[0])  # with AMX tiles, prefill chunks keep the bf16 expansion
         else:  # and without, they run in int8 too: 250 rows of logits, each within the int8 rounding
             rel = (got[0] - want[0]).abs().amax(-1) / want[0].abs().amax(-1)
@@ -717,7 +718,7 @@ def test_block_weights_of_any_shape_expand_exactly():
 def test_block_weights_of_mixed_formats_fuse_as_dense_and_gathers_stay_in_bounds():
     """A GGUF may store q/k in Q4_1 and v in Q8_0: the fused projection is then dequantized, not refused; and the
     embedding's C gather refuses row ids outside the table instead of reading past it."""
-    from kvfence.model.llama import _rows
+    from kvfence.model.weights import _rows
 
     gen = torch.Generator().manual_seed(2)
     raw = torch.randint(0, 256, (64 * 18 * 34,), dtype=torch.uint8, generator=gen).numpy()
@@ -803,7 +804,7 @@ def test_a_decode_step_in_one_c_call_gives_the_bits_of_the_python_layer_loop(bf1
     Python: the same logits bit for bit, for 1 and 3 sequences of different lengths; a step with a prefill chunk
     keeps the Python loop."""
     model = bf16.model
-    model.prepare_decode_rows()
+    model.backend.prepare_decode_rows()
     ids = bf16.tokenizer.encode(varied_text(200))
     pool = KVPool(model.config, 60, 16, torch.bfloat16)
     lengths = (37, 150, 291)
@@ -813,9 +814,9 @@ def test_a_decode_step_in_one_c_call_gives_the_bits_of_the_python_layer_loop(bf1
     steps.append([c for step in steps for c in step])
     for chunks in steps:
         in_c = model.forward(chunks, pool)
-        assert model._layer_args is not None  # the one-call loop ran
+        assert model.backend._layer_args is not None  # the one-call loop ran
         with monkeypatch.context() as m:
-            m.setattr(model, "_decode_layer_args", lambda kv_layers: None)
+            m.setattr(model.backend, "_decode_layer_args", lambda kv_layers: None)
             assert torch.equal(model.forward(chunks, pool), in_c)
     calls = []
     with monkeypatch.context() as m:

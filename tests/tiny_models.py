@@ -177,7 +177,7 @@ def greedy(
     (which is included).
     """
     from kvfence.kvcache.pool import KVPool
-    from kvfence.model.llama import SeqChunk
+    from kvfence.model.batch import SeqChunk
 
     total = len(ids) + max_new
     pool = KVPool(model.config, -(-total // page_size), page_size, model.dtype, model.device)

@@ -29,7 +29,8 @@ from kvfence.engine.sampler import logprob_of, make_generator, sample, token_log
 from kvfence.engine.scheduler import Group, Scheduler, Sequence, Work
 from kvfence.kvcache.pages import PageError, PageGrant, PageState, PageTable
 from kvfence.kvcache.pool import KVPool
-from kvfence.model.llama import Model, SeqChunk
+from kvfence.model.batch import SeqChunk
+from kvfence.model.llama import Model
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.safety import Safety
 
@@ -68,7 +69,7 @@ class Engine:
         self.trackers: dict[int, OutputTracker] = {}
         self.prompt_tokens_computed = 0  # prompt positions whose K/V this engine computed (recomputes included)
         if self.decodes:
-            model.prepare_decode_rows()
+            model.backend.prepare_decode_rows()
 
     @property
     def has_work(self) -> bool:

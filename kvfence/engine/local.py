@@ -76,6 +76,7 @@ class LocalEngine:
             "preemptions": e.scheduler.num_preempted,
             "prompt_tokens_computed": e.prompt_tokens_computed,
             **({"cpu": kernels.detect().summary()} if e.model.device.type == "cpu" else {}),
+            "backend": e.model.backend.name,
         }
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Model: loading (GGUF, HF safetensors), tokenizer, and the forward over paged KV.
+"""Model: loading (GGUF, HF safetensors), tokenizer, and the forward over paged KV (``llama.py``, ``backends/``).
 
 The names below load on first use, so importing a torch-free submodule (``describe``, ``tokenizer``,
 ``gguf_file``: what the router uses) does not import torch through this package.
@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvfence.model.llama import Model, SeqChunk
+    from kvfence.model.batch import SeqChunk
+    from kvfence.model.llama import Model
     from kvfence.model.loader import LoadedModel, load_model
     from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -18,7 +19,7 @@ _HOMES = {
     "IncrementalDetokenizer": "tokenizer",
     "LoadedModel": "loader",
     "Model": "llama",
-    "SeqChunk": "llama",
+    "SeqChunk": "batch",
     "Tokenizer": "tokenizer",
     "load_model": "loader",
 }

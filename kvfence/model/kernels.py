@@ -15,7 +15,7 @@ Three builds ("flavours"), one set of entry points, best first:
   avx2    decode_avx2.c (AVX2, FMA, F16C; int8 with vpmaddubsw, the bits of the VNNI kernel).
 The best flavour this CPU has and this compiler builds is used; one that does not build or load falls back to the
 next. ``KVFENCE_CPU`` (read once) caps the choice: ``amx``, ``avx512``, ``avx2`` or ``none`` (no C kernels: the
-model then uses ``invariant.matmul`` for every row), to run and test the paths of other CPUs on this one. Each
+model then runs on torch ops, ``backends/torch.py``), to run and test the paths of other CPUs on this one. Each
 flavour is batch-invariant on its own terms; their bits differ. A process uses one of them throughout.
 """
 
@@ -85,6 +85,10 @@ class Capabilities:
     int8_chunks: bool  # prefill chunks in int8 too (where no tiles make bf16 products cheaper)
     prefill_attention: bool  # a C kernel for prefill chunks' attention (head dims 32 and 64)
     forced: str | None = None
+
+    def runs(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the C kernels compute a model of ``dtype`` on ``device``: bf16 on a CPU they built for."""
+        return self.flavour is not None and dtype == torch.bfloat16 and device.type == "cpu"
 
     def summary(self) -> str:
         """One line for logs and health: ``flavour=avx512 amx=no vnni=yes ...``."""
@@ -234,7 +238,7 @@ def detect() -> Capabilities:
 
 def library() -> ctypes.CDLL:
     """The C library itself, for callers that check their layouts once and then call its entry points many
-    times with raw pointers (``Model``'s C forward): the checked wrappers here show each entry point's contract."""
+    times with raw pointers (``backends/c.py``): the checked wrappers here show each entry point's contract."""
     lib = _built()[1]
     if lib is None:
         raise RuntimeError("the C kernels are not available here")
@@ -365,7 +369,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
     """Rotary embedding in place on the query and key heads of qkv ``[T, H + 2 KV, D]`` (HF rotate_half; ``sin``
     with its sign folded in, both ``[T, D]``), then each row's K/V into pool slot ``slots[t]`` of kv
-    ``[num_slots, 2, KV, D]`` (a pool layer). Bit for bit what the torch ops in ``llama.py`` compute."""
+    ``[num_slots, 2, KV, D]`` (a pool layer). Bit for bit what the torch ops in ``backends/torch.py`` compute."""
     T, heads, D = qkv.shape
     KV = kv.shape[2]
     if qkv.stride()[1:] != (D, 1) or kv.stride()[1:] != (KV * D, D, 1) or D > 512:

@@ -1,16 +1,14 @@
 """Load a model: the bundled SmolLM2 GGUF, any llama-arch GGUF, or an HF directory (Llama/Qwen2/Qwen3).
 
 Every source ends as a state dict with HF names and HF layouts (GGUF Q/K rows un-permuted; GGUF Q4_1/Q8_0
-matrices as ``BlockWeight``s), a ``ModelConfig`` and a ``Tokenizer``; ``Model.from_state_dict`` then fuses and
-casts the weights, keeping or dequantizing the blocks. Reading metadata alone
+matrices as ``BlockWeight``s), a ``ModelConfig`` and a ``Tokenizer``; ``Model.from_state_dict`` then chooses the
+backend, fuses and casts the weights, keeping or dequantizing the blocks. Reading metadata alone
 (``describe_model``, what a router needs) lives in the torch-free ``kvfence.model.describe``; its public names
 are re-exported here.
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import logging
 import time
@@ -35,6 +33,7 @@ from kvfence.model.describe import (
     smollm2_gguf_path,
 )
 from kvfence.model.llama import Model
+from kvfence.model.memory import release_free_memory
 from kvfence.model.tokenizer import Tokenizer
 
 __all__ = ["SMOLLM2_GGUF", "LoadedModel", "describe_model", "load_model", "read_gguf_metadata", "smollm2_gguf_path"]
@@ -71,8 +70,6 @@ def load_model(model: str = SMOLLM2, dtype: torch.dtype = torch.bfloat16, device
     t0 = time.perf_counter()
     path = model_path(model)
     log.info("loading %s (%s) from %s", model, str(dtype).removeprefix("torch."), path)
-    if torch.device(device).type == "cpu":
-        log.info("CPU capabilities: %s", kernels.detect().summary())
     name, cfg, state, tok = _load_hf_dir(path) if path.is_dir() else _load_gguf(path)
     t1 = time.perf_counter()
     net = Model.from_state_dict(cfg, state, dtype=dtype, device=device)
@@ -86,27 +83,9 @@ def load_model(model: str = SMOLLM2, dtype: torch.dtype = torch.bfloat16, device
         time.perf_counter() - t1,
         time.perf_counter() - t0,
     )
+    cpu = f"; CPU capabilities: {kernels.detect().summary()}" if net.device.type == "cpu" else ""
+    log.info("model backend: %s%s", net.backend.name, cpu)
     return LoadedModel(name=name if model != SMOLLM2 else model, config=cfg, model=net, tokenizer=tok)
-
-
-def freeze_loaded_objects() -> None:
-    """``gc.freeze()``: the objects alive now (a loaded model, its tokenizer: ~180k) leave the collector's view, so
-    a full collection in a serving loop stops walking them (one took several ms, a stall in a 4 ms decode step).
-    For long-lived processes only: anything frozen that later becomes cyclic garbage is never collected."""
-    gc.collect()
-    gc.freeze()
-
-
-def release_free_memory() -> None:
-    """``gc.collect()``, then glibc's ``malloc_trim(0)``: free heap pages go back to the OS (no glibc: no trim).
-
-    Dequantizing leaves hundreds of MB of freed float32 temporaries in the heap, which RSS counts until trimmed.
-    """
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        pass
 
 
 # -- GGUF -------------------------------------------------------------------------------------------------------

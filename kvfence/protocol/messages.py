@@ -215,6 +215,7 @@ class Hello(Msg, frozen=True):
     total_pages: int = 0
     quarantine_reasons: dict[str, int] = {}  # reason -> pages quarantined for it
     cpu: str = ""  # the model's compute capabilities here (``kernels.Capabilities.summary``); "" on a GPU
+    backend: str = ""  # the model's backend here (``Backend.name``: "c-amx", "torch", ...)
     prompt_tokens_computed: int = 0  # prompt positions whose K/V this worker computed since it started
 
 

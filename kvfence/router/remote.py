@@ -103,7 +103,7 @@ class RemoteEngine:
                 "quarantine_reasons": h.quarantine_reasons,
                 "running": h.running, "pool_tokens": h.pool_tokens, "max_context": h.max_context,
                 "drained": h.worker in self.core.drained, "suspected": h.worker in self.core.suspected,
-                "epoch": self.core.epochs.get(h.worker, 0), "cpu": h.cpu,
+                "epoch": self.core.epochs.get(h.worker, 0), "cpu": h.cpu, "backend": h.backend,
                 "prompt_tokens_computed": h.prompt_tokens_computed}
 
     # -- admin ----------------------------------------------------------------------

@@ -41,7 +41,8 @@ class WorkerBase:
     role = ""
 
     def __init__(self, settings: WorkerSettings) -> None:
-        from kvfence.model.loader import freeze_loaded_objects, load_model
+        from kvfence.model.loader import load_model
+        from kvfence.model.memory import freeze_loaded_objects
 
         self.settings = settings
         self.safety = Safety.from_env()
@@ -53,6 +54,7 @@ class WorkerBase:
         self.loaded = load_model(settings.model, dtype=self.dtype, device=settings.device)
         freeze_loaded_objects()
         self.cpu = kernels.detect().summary() if self.loaded.model.device.type == "cpu" else ""  # for Hello
+        self.backend = self.loaded.model.backend.name  # for Hello
         self.channel = Channel(settings.bind, settings.advertise, self.faults, settings.cluster_key)
         self.me = self.channel.me
         self.stop_requested = False
@@ -85,15 +87,11 @@ class WorkerBase:
 
     def set_threads(self, other_role_idle: bool) -> None:
         """With ``solo_threads``, the worker computes on that many threads while the other role idles, else on its
-        own count: the C kernels always, torch's ops (sampling, SDPA where no C attention fits) where the C kernels
-        carry the model (else torch's matmuls, calibrated per thread count, would recalibrate). Both give the same
-        bits on any count (tested), so this only moves speed."""
+        own count, as far as the model's backend allows (``Backend.set_threads``: calibrated torch matmuls keep
+        theirs). The bits are the same on any count (tested), so this only moves speed."""
         if not self.settings.solo_threads:
             return
-        n = self.settings.solo_threads if other_role_idle else self.base_threads
-        kernels.set_threads(n)
-        if self.loaded.model.c_gemm and torch.get_num_threads() != n:
-            torch.set_num_threads(n)
+        self.loaded.model.backend.set_threads(self.settings.solo_threads if other_role_idle else self.base_threads)
 
     # -- what each role provides ------------------------------------------------------
 
@@ -138,7 +136,7 @@ class WorkerBase:
     def tidy(self) -> None:
         """Once the worker has idled for ``TIDY_AFTER_S``: give the heap's free pages (a batch's buffers) back to
         the OS, so an idle deployment's memory reads what it holds."""
-        from kvfence.model.loader import release_free_memory
+        from kvfence.model.memory import release_free_memory
 
         release_free_memory()
 

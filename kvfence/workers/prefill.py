@@ -198,7 +198,7 @@ class PrefillWorker(WorkerBase):
                      running=len(sched.running), pid=os.getpid(), quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(),
                      total_pages=pages.num_pages, cpu=self.cpu,
-                     prompt_tokens_computed=self.runner.prompt_tokens_computed)
+                     backend=self.backend, prompt_tokens_computed=self.runner.prompt_tokens_computed)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, Peers):
