@@ -724,19 +724,6 @@ static inline __m512 exp_ps(__m512 x) {
 }
 
 
-/* 2^x (degree-6 polynomial on the fraction; 0 far below, inf far above). */
-static inline __m512 exp2_ps(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* A task reads one head's 2 D bytes of each slot: a stride the hardware prefetchers do not follow, so the loops
  * fetch the position 8 ahead themselves (1.3-1.6x at 16-32 sequences of 300-1,000 tokens, one thread). */
 static inline void prefetch_head(const uint16_t *p, int64_t D) {
@@ -810,11 +797,10 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
  *
  * For one K/V head of one sequence: its S positions are packed once into tile layouts (K transposed in pairs of d,
  * V in pairs of positions; zeros past S), then up to 16 query rows that share the head attend: scores on tiles
- * (fp32), a float32 softmax over the positions each row sees (exp as 2^x, the scale and log2 e folded into one
- * multiply-subtract), the weights rounded to bf16 for the product with V on tiles (or vdpbf16ps, below), and that
- * divided by the weights' (fp32) sum. A task is one query head and 16 of its queries, each seeing the positions
- * up to its own; it reads only its own rows and head and runs the same instructions whichever thread runs it, so
- * a chunk's result depends on nothing else in the batch.
+ * (fp32), a float32 softmax over the positions each row sees, the weights rounded to bf16 for the product with V
+ * on tiles (or vdpbf16ps, below), and that divided by the weights' (fp32) sum. A task is one query head and 16 of
+ * its queries, each seeing the positions up to its own; it reads only its own rows and head and runs the same
+ * instructions whichever thread runs it, so a chunk's result depends on nothing else in the batch.
  */
 #define TILE_MAX_D 64
 
@@ -874,11 +860,12 @@ static void softmax_rows(int64_t rows, const int64_t *seen, const float mx[16], 
         const float *row = w->sc + r * ld;
         uint16_t *pr = w->p + r * ld;
         const int64_t n = r < rows ? seen[r] : 0;
-        const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f), mc = _mm512_set1_ps(r < rows ? mx[r] * scale * 1.44269504088896341f : 0.0f);
+        const __m512 mv = _mm512_set1_ps(r < rows ? mx[r] * scale : 0.0f);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < keys32; j += 16) {
             const __mmask16 m = first_lanes(n - j);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, row + j), c, mc)));
+            const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(
+                _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_set1_ps(scale)), mv)));
             sum = _mm512_add_ps(sum, e);
             _mm256_store_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
         }
@@ -1013,7 +1000,8 @@ static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, u
 /* One chunk of n queries at positions S - n .. S - 1 over its sequence's S positions (slots), causal. q: row i at
  * q + i * ldq, H heads of D; out: row i at out + i * ldo. D is 32 or 64 (the caller checks).
  * First each K/V head is packed once (the team splits the heads' 64-position spans), then the team takes tasks of
- * one query head and 16 query rows, the costliest (last rows, most keys) first, so the threads end together. */
+ * one query head and 16 query rows, dealt round-robin from the costliest (last rows, most keys), so the threads
+ * end together. */
 void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, int64_t slot_stride,
                            const int64_t *slots, int64_t n, int64_t S, int64_t H, int64_t KV, int64_t D, float scale,
                            uint16_t *out, int64_t ldo, int nthreads) {
@@ -1032,7 +1020,7 @@ void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, i
 #ifdef __AMX_BF16__
         configure_tiles();
 #endif
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static, 1)
         for (int64_t t = 0; t < H * blocks; t++) {
             const int64_t h = t % H, i0 = (blocks - 1 - t / H) * 16, rows = block_rows(n - i0);
             w.kt = packed + h / G * head, w.vp = w.kt + head / 2;
