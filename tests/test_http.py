@@ -355,7 +355,8 @@ async def test_several_prompts_are_400():
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"seed": 2**63}, "seed"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
         ({"stop": ["ok", 3]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"stream": "yes please"}, "stream"),
@@ -636,7 +637,7 @@ def test_openai_sdk_errors():
             client.completions.create(model=MODEL, prompt="x", max_tokens=100)
         assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=17)
         assert e.value.param == "n"
         with pytest.raises(openai.NotFoundError) as e:
             client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])

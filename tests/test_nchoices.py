@@ -237,7 +237,7 @@ def test_every_choice_makes_its_required_call_streamed_or_not(server):
           "seed": 8, "parallel_tool_calls": False}  # one call each: a random model may otherwise chain calls past 150
     whole = server.client().chat.completions.create(**kw)
     ChatCompletion.model_validate(whole.model_dump())
-    assert [c.finish_reason for c in whole.choices] == ["tool_calls"] * 2
+    assert all(c.message.tool_calls for c in whole.choices)  # a random model's arguments may run to max_tokens
     streamed: list[list[tuple[str, str]]] = [[], []]
     finishes: list[str | None] = [None, None]
     for chunk in server.client().chat.completions.create(stream=True, **kw):
@@ -245,4 +245,4 @@ def test_every_choice_makes_its_required_call_streamed_or_not(server):
             streamed[choice.index] += [(t.function.name, t.function.arguments) for t in choice.delta.tool_calls or ()]
             finishes[choice.index] = choice.finish_reason or finishes[choice.index]
     assert streamed == [[(t.function.name, t.function.arguments) for t in c.message.tool_calls] for c in whole.choices]
-    assert finishes == ["tool_calls"] * 2
+    assert finishes == [c.finish_reason for c in whole.choices]
