@@ -41,11 +41,11 @@ def caps(flavour: str | None) -> kernels.Capabilities:
 
 
 def test_the_c_backend_is_chosen_where_the_kernels_run_and_fit_the_heads():
-    assert choose_backend(caps("avx2"), config(), BF16, CPU) is CBackend
-    assert choose_backend(caps(None), config(), BF16, CPU) is TorchBackend  # no C kernels (KVFENCE_CPU=none)
-    assert choose_backend(caps("amx"), config(), torch.float32, CPU) is TorchBackend  # bf16 only
-    assert choose_backend(caps("amx"), config(), BF16, torch.device("cuda")) is TorchBackend
-    assert choose_backend(caps("amx"), config(head_dim=24), BF16, CPU) is TorchBackend  # attention does not fit
+    assert choose_backend(caps("avx2"), config(), BF16, CPU)[0] is CBackend
+    assert choose_backend(caps(None), config(), BF16, CPU)[0] is TorchBackend  # no C kernels (KVFENCE_CPU=none)
+    assert choose_backend(caps("amx"), config(), torch.float32, CPU)[0] is TorchBackend  # bf16 only
+    assert choose_backend(caps("amx"), config(), BF16, torch.device("cuda"))[0] is TorchBackend
+    assert choose_backend(caps("amx"), config(head_dim=24), BF16, CPU)[0] is TorchBackend  # attention does not fit
 
 
 def test_the_backend_names_this_processs_flavour():
