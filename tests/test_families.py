@@ -154,6 +154,10 @@ def test_unknown_architectures_are_refused_naming_the_supported_ones():
         hf_arch({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True})
     with pytest.raises(ValueError, match="partial rotary"):
         hf_arch({"architectures": ["Phi3ForCausalLM"], "rope_parameters": {"partial_rotary_factor": 0.75}})
+    with pytest.raises(ValueError, match="partial rotary"):
+        hf_arch({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75})  # Phi-4-mini's config.json
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        hf_arch({"architectures": ["MistralForCausalLM"], "hidden_act": "gelu"})
 
 
 # -- against transformers -----------------------------------------------------------------------------------------

@@ -154,7 +154,8 @@ def hf_arch(raw: dict[str, Any]) -> str:
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
     if act not in (_GELU_TANH if arch.startswith("gemma") else ("silu",)):
         raise ValueError(f"{name}: activation {act!r} is not supported")
-    if float((raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)) != 1.0:
+    partial = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if float(partial or 1.0) != 1.0:
         raise ValueError(f"{name}: partial rotary embeddings are not supported")
     return arch
 

@@ -4,6 +4,7 @@
   c-amx, c-avx512, c-avx2   ``c.py``: every row in the C kernels of that flavour (bf16 on CPU)
   torch                     ``torch.py``: torch ops, matmuls in calibrated row blocks (no C kernels, float32, CUDA)
   torch+c-<flavour>-gemm    ``torch.py`` with the C matmul kernel, where the C attention does not fit the heads
+                            or the config is not Llama's forward (sliding windows, Gemma: docs/models.md)
 
 Each is batch-invariant on its own terms, and their bits differ: a process uses one throughout.
 """

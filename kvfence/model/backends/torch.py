@@ -1,4 +1,4 @@
-"""The forward on torch ops: CPU without C kernels (or where their attention does not fit), float32, and CUDA.
+"""The forward on torch ops: CPU without C kernels (or where they do not compute the config), float32, and CUDA.
 
 Batch invariance by construction or by calibration: matmuls run in row blocks of calibrated sizes
 (``invariant.py``), or row by row in the C kernel where it runs (bf16 on CPU) but its attention does not fit the
