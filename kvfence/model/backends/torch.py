@@ -199,8 +199,8 @@ def chunk_attention(q: torch.Tensor, kv: torch.Tensor, a: Attn, scale: float | N
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
            scale: float | None, cap: float | None) -> torch.Tensor:
-    """Attention of q ``[1, H, n, D]`` over k, v ``[1, KV, S, D]`` (H a multiple of KV) -> ``[1, H, n, D]``: SDPA,
-    or without a cap, transformers' eager attention (scores scaled, capped, masked, softmax in float32)."""
+    """Attention of q ``[1, H, n, D]`` over k, v ``[1, KV, S, D]`` (H a multiple of KV) -> ``[1, H, n, D]``: SDPA
+    without a cap; with one, transformers' eager attention (scores scaled, capped, masked, softmax in float32)."""
     if cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     groups, (n, S) = q.shape[1] // k.shape[1], (q.shape[2], k.shape[2])
