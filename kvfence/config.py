@@ -16,9 +16,10 @@ def default_pool_tokens(max_context: int, role: str) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Qwen2, Qwen3)."""
+    """Architecture of a dense decoder: Llama, Qwen2, Qwen3, and the families that differ from Llama only in the
+    fields after ``rope_scaling`` (Mistral, Phi-3, Gemma 2, Gemma 3). Their defaults are Llama's."""
 
-    arch: str  # "llama" | "qwen2" | "qwen3"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,7 +33,50 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # qwen2: bias on q/k/v projections
     qk_norm: bool = False  # qwen3: RMSNorm on q and k per head
-    rope_scaling: dict | None = None  # HF rope_scaling (llama3 style supported)
+    rope_scaling: dict | None = None  # HF rope_scaling: linear, llama3, longrope (phi3)
+    # a windowed layer's query at position p sees keys (p - sliding_window, p]; one that covers the context is none
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer "sliding" | "full"; empty: every layer is windowed, if any is
+    rope_local_theta: float | None = None  # gemma3: the sliding layers' rope theta (default rope, no scaling)
+    hidden_act: str = "silu"  # of the gated MLP: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    norm_offset: bool = False  # gemma: RMSNorm scales by (1 + w), in float32, then rounds
+    sandwich_norms: bool = False  # gemma: a norm after attention and after the MLP too, before each residual add
+    embed_scale: float = 1.0  # gemma: sqrt(hidden), rounded to the model dtype, times each embedding
+    query_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5 (gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None  # gemma2: scores become cap * tanh(score / cap)
+    final_softcap: float | None = None  # gemma2: logits become cap * tanh(logit / cap)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``; None where it attends to the whole sequence."""
+        if self.sliding_window is None or self.sliding_window >= self.max_context:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding":
+            return None
+        return self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates with the sliding layers' own table (``rope_local_theta``)."""
+        return self.rope_local_theta is not None and (not self.layer_types or self.layer_types[layer] == "sliding")
+
+    @property
+    def llama_compatible(self) -> str | None:
+        """None where a forward of this config is exactly Llama's (the weights and rope tables aside); else the
+        first feature that differs, in words."""
+        if any(self.window(i) is not None for i in range(self.num_layers)):
+            return f"sliding-window attention ({self.sliding_window} < context {self.max_context})"
+        for feature, differs in (
+            ("per-layer rope tables", self.rope_local_theta is not None),
+            (f"the {self.hidden_act} MLP", self.hidden_act != "silu"),
+            ("(1 + w) RMSNorm", self.norm_offset),
+            ("post-attention/feed-forward norms", self.sandwich_norms),
+            ("scaled embeddings", self.embed_scale != 1.0),
+            ("a query scale other than head_dim ** -0.5", self.query_scale is not None),
+            ("attention logit soft-capping", self.attn_softcap is not None),
+            ("final logit soft-capping", self.final_softcap is not None),
+        ):
+            if differs:
+                return feature
+        return None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

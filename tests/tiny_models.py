@@ -1,4 +1,5 @@
-"""Test fixtures: tiny random-weight HF model directories (llama, qwen2, qwen3) and the real SmolLM2, loaded once.
+"""Test fixtures: tiny random-weight HF model directories (llama, qwen2, qwen3, and the families of ``FAMILIES``)
+and the real SmolLM2, loaded once.
 
 ``tiny_model_dir(arch)`` writes, once per machine and version of the code that builds it (cached under the temp
 dir, atomically), a directory with ``config.json``, ``model.safetensors``, ``tokenizer.json`` (SmolLM2's real
@@ -26,6 +27,9 @@ from kvfence.model.loader import LoadedModel, load_model, read_gguf_metadata, sm
 from kvfence.model.tokenizer import Tokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3")
+# the families beyond Llama/Qwen (tests/test_families.py); "phi3-plain" is Phi-3 without rope scaling or window
+FAMILIES = ("mistral", "phi3", "phi3-plain", "gemma2", "gemma3")
+WINDOW = 24  # the tiny families' sliding window, shorter than most test prompts
 # the cache is keyed by the code that writes it, so a change to either file rebuilds it
 _KEY = hashlib.sha256(Path(__file__).read_bytes() + Path(tokenizer_module.__file__).read_bytes()).hexdigest()[:12]
 _CACHE = Path(tempfile.gettempdir()) / f"kvfence-test-models-{_KEY}"
@@ -59,7 +63,43 @@ EXTRA = {
     ),
     "qwen2": dict(tie_word_embeddings=False),
     "qwen3": dict(tie_word_embeddings=False, head_dim=32),
+    # mistral: a window shorter than the prompts; phi3: fused q/k/v and gate/up, longrope (short factors up to 64
+    # positions, long ones after) and a window; gemma2: sandwich (1 + w) norms, GeGLU, scaled embeddings, a query
+    # scale of its own, soft caps that bite, every other layer windowed; gemma3: q/k norms, two sliding layers and
+    # a global one, the sliding layers' own rope theta, linear rope scaling on the global layer
+    "mistral": dict(tie_word_embeddings=False, sliding_window=WINDOW),
+    "phi3": dict(
+        tie_word_embeddings=False,
+        sliding_window=WINDOW,
+        original_max_position_embeddings=64,
+        rope_scaling=dict(
+            type="longrope",
+            short_factor=[1.0 + 0.05 * i for i in range(8)],
+            long_factor=[1.5 + 0.5 * i for i in range(8)],
+        ),
+    ),
+    "phi3-plain": dict(tie_word_embeddings=False, sliding_window=None),
+    "gemma2": dict(
+        head_dim=16,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=15.0,
+    ),
+    "gemma3": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters=dict(
+            full_attention=dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
+            sliding_attention=dict(rope_type="default", rope_theta=1000.0),
+        ),
+    ),
 }
+_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
+            "phi3": "Phi3Config", "phi3-plain": "Phi3Config", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 
 
 # SmolLM2-135M's shapes (DESIGN section 8), for speed and batch-invariance checks where its weights cannot travel
@@ -144,15 +184,13 @@ def _write_tokenizer(path: Path) -> None:
 
 
 def _write_tiny_model(arch: str, path: Path) -> None:
-    _write_model({**TINY, **EXTRA[arch]}, arch, ARCHS.index(arch), torch.float32, path)
+    _write_model({**TINY, **EXTRA[arch]}, arch, (ARCHS + FAMILIES).index(arch), torch.float32, path)
 
 
 def _write_model(params: dict, arch: str, seed: int, dtype: torch.dtype, path: Path) -> None:
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[
-        arch
-    ]
+    cls = getattr(transformers, _CONFIGS[arch])
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cls(**params), dtype=dtype)
     with torch.no_grad():

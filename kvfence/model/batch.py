@@ -5,6 +5,11 @@ Rows are reordered so that decode chunks (one token) come first, grouped by sequ
 attention call (a batch of sequences, no padding); each longer chunk gets a call of its own. Nothing a row computes
 depends on its neighbours, so the backends compute in this order, and ``Batch.chunk_order`` and ``token_order``
 restore the caller's.
+
+Sliding windows: a sequence keeps every page it was granted, and a windowed layer reads only the keys inside its
+window (``Batch.attn_window``: each chunk's call starts at its first query's window, with a mask for the rest; a
+decode group's call keeps each sequence's last ``window`` positions). The pages, their tags, coverage and
+checksums are those of a full-attention model: a window frees no page yet.
 """
 
 from __future__ import annotations
@@ -50,10 +55,12 @@ class Batch:
     tokens: torch.Tensor  # [T]
     cos: torch.Tensor  # [T, 1, D]
     sin: torch.Tensor  # [T, 1, D], sign of the first half flipped (rotate_half folded in)
+    local_rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [T, 1, D] of layers with their own table
     kv_layers: tuple[torch.Tensor, ...]  # per layer [num_slots, 2, KV, D]: views of the pool, slot by slot
     write_slots: torch.Tensor  # [T] pool slots of the new tokens
     read_slots: torch.Tensor  # [S_total] pool slots of every sequence's positions, sequence after sequence
     attn: list[Attn]
+    attn_window: list[Attn] | None  # the same calls for a windowed layer (decode groups unchanged); None: no window
     decode_rows: int  # rows [0, decode_rows) are decode chunks (one token each), and so are the first logits rows
     decode_kv: int  # read_slots[:decode_kv] are the decode chunks' sequences
     decode_starts: torch.Tensor  # [decode_rows + 1] where each decode chunk's sequence starts in read_slots
@@ -63,10 +70,11 @@ class Batch:
 
 
 def make_batch(chunks: list[SeqChunk], pool: KVPool, kv_layers: tuple[torch.Tensor, ...], config: ModelConfig,
-               cos: torch.Tensor, sin: torch.Tensor) -> Batch:
+               cos: torch.Tensor, sin: torch.Tensor,
+               local_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Batch:
     """The plan of one step over ``pool`` (``kv_layers``: its per-layer views), with rotary tables ``cos``/``sin``
-    ``[max_context, D]``. Raises ``ValueError`` for a chunk that is empty, outruns its pages or the context, or
-    names a page or token id out of range."""
+    ``[max_context, D]`` (and ``local_rope``'s for the layers that have their own). Raises ``ValueError`` for a
+    chunk that is empty, outruns its pages or the context, or names a page or token id out of range."""
     if not chunks:
         raise ValueError("forward needs at least one chunk")
     for c in chunks:
@@ -118,14 +126,20 @@ def make_batch(chunks: list[SeqChunk], pool: KVPool, kv_layers: tuple[torch.Tens
         chunk_order = torch.from_numpy(np.argsort(order)).to(device)
         rows = np.concatenate([np.arange(first_row[i], first_row[i] + sizes[i]) for i in range(len(chunks))])
         token_order = torch.from_numpy(rows).to(device)
+    windows = {config.window(i) for i in range(config.num_layers)} - {None}
+    if len(windows) > 1:
+        raise ValueError(f"one sliding window per model, not {sorted(windows)}")
+    window = windows.pop() if windows else None
     return Batch(
         tokens=ids,
         cos=cos[pos].unsqueeze(1),
         sin=sin[pos].unsqueeze(1),
+        local_rope=None if local_rope is None else (local_rope[0][pos].unsqueeze(1), local_rope[1][pos].unsqueeze(1)),
         kv_layers=kv_layers,
         write_slots=torch.from_numpy(np.concatenate(writes)).to(device),
         read_slots=torch.from_numpy(np.concatenate(reads)).to(device),
         attn=attn,
+        attn_window=None if window is None else [_windowed(a, window, device) for a in attn],
         decode_rows=len(starts) - 1,
         decode_kv=starts[-1],
         decode_starts=torch.tensor(starts, dtype=torch.long),
@@ -156,3 +170,19 @@ def _causal_mask(n: int, end: int, device: torch.device) -> torch.Tensor | None:
     if n == 1 or n == end:
         return None  # a single query sees everything; a fresh chunk uses is_causal
     return torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=end - n)
+
+
+def _windowed(a: Attn, window: int, device: torch.device) -> Attn:
+    """Chunk call ``a`` for a layer whose queries see the last ``window`` positions (their own included): keys from
+    the first query's window on, masked where a later query's window has moved past them. A decode group is
+    returned as is (the backend keeps each sequence's last ``window`` positions)."""
+    if a.group:
+        return a
+    n, end = a.q1 - a.q0, a.k1 - a.k0
+    start = end - n  # the first query's position
+    first = max(0, start - window + 1)  # the first key any query of the chunk sees
+    if n == 1 or (first == 0 and n == end and n <= window):
+        return Attn(a.q0, a.q1, a.k0 + first, a.k1, 0, None, n > 1)
+    q = torch.arange(start, end, device=device)[:, None]  # [n, 1] query positions
+    k = torch.arange(first, end, device=device)[None, :]  # [1, end - first] key positions
+    return Attn(a.q0, a.q1, a.k0 + first, a.k1, 0, (k <= q) & (k > q - window), False)

@@ -21,7 +21,17 @@ log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_HF_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+}
+_WINDOWED = ("mistral", "phi3", "gemma2", "gemma3")  # the families whose sliding windows kvfence computes
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # HF's names of the tanh-approximated GELU
 
 
 def describe_model(model: str = SMOLLM2) -> tuple[str, ModelConfig, Tokenizer]:
@@ -130,21 +140,41 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def hf_arch(raw: dict[str, Any]) -> str:
+    """kvfence's name of the family ``raw`` (a config.json) belongs to; ValueError, in one line naming what is
+    supported, for any other architecture or a variant whose forward kvfence does not compute."""
     name = (raw.get("architectures") or ["(none)"])[0]
     arch = _HF_ARCHS.get(name)
     if arch is None:
         raise ValueError(f"architecture {name!r} is not supported (supported: {', '.join(sorted(_HF_ARCHS))})")
-    if raw.get("mlp_bias") or raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
+    windowed = raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or [])
+    if raw.get("mlp_bias") or (windowed and arch not in _WINDOWED):
         raise ValueError(f"{name}: mlp_bias and sliding-window attention are not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(f"{name}: bidirectional attention is not supported")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if act not in (_GELU_TANH if arch.startswith("gemma") else ("silu",)):
+        raise ValueError(f"{name}: activation {act!r} is not supported")
+    partial = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if float(partial or 1.0) != 1.0:
+        raise ValueError(f"{name}: partial rotary embeddings are not supported")
     return arch
 
 
 def hf_config(raw: dict[str, Any], state: dict[str, Any]) -> ModelConfig:
     """Config from config.json; ``state`` is only asked which weight names exist."""
     arch = hf_arch(raw)
-    rope = raw.get("rope_parameters") or {}  # transformers >= 5 keeps theta and scaling here
-    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    max_context = raw.get("max_position_embeddings", 4096)
+    theta, scaling, local_theta = _hf_rope(raw, arch, max_context)
+    gemma = arch.startswith("gemma")
+    layer_types = tuple(t.removesuffix("_attention") for t in raw.get("layer_types") or ())
+    if arch == "gemma2" and not layer_types:  # before layer_types: even layers sliding, odd ones global
+        layer_types = tuple("sliding" if i % 2 == 0 else "full" for i in range(raw["num_hidden_layers"]))
+    if arch == "gemma3" and not layer_types:  # before layer_types: every n-th layer global
+        n = raw.get("sliding_window_pattern", 6)
+        layer_types = tuple("sliding" if (i + 1) % n else "full" for i in range(raw["num_hidden_layers"]))
+    scalar = raw.get("query_pre_attn_scalar", 256) if gemma else head_dim
     return ModelConfig(
         arch=arch,
         vocab_size=raw["vocab_size"],
@@ -153,12 +183,45 @@ def hf_config(raw: dict[str, Any], state: dict[str, Any]) -> ModelConfig:
         num_layers=raw["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        head_dim=head_dim,
+        rope_theta=theta,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_context=raw.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings")) or "lm_head.weight" not in state,
+        max_context=max_context,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)) or "lm_head.weight" not in state,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in state,
-        qk_norm=arch == "qwen3",
-        rope_scaling=dict(scaling) if scaling else None,
+        qk_norm=arch in ("qwen3", "gemma3"),
+        rope_scaling=scaling,
+        sliding_window=raw.get("sliding_window") if arch in _WINDOWED else None,
+        layer_types=layer_types,
+        rope_local_theta=local_theta,
+        hidden_act="gelu_tanh" if gemma else "silu",
+        norm_offset=gemma,
+        sandwich_norms=gemma,
+        embed_scale=raw["hidden_size"] ** 0.5 if gemma else 1.0,
+        query_scale=None if scalar == head_dim else float(scalar) ** -0.5,
+        attn_softcap=raw.get("attn_logit_softcapping") if gemma else None,
+        final_softcap=raw.get("final_logit_softcapping") if gemma else None,
     )
+
+
+def _hf_rope(raw: dict[str, Any], arch: str, max_context: int) -> tuple[float, dict | None, float | None]:
+    """``(theta, scaling, local theta)`` from config.json, old style (``rope_theta``, ``rope_scaling``,
+    ``rope_local_base_freq``) or transformers >= 5's ``rope_parameters`` (per layer type for Gemma 3)."""
+    params = dict(raw.get("rope_parameters") or {})
+    local = None
+    if arch == "gemma3":
+        local = float((params.get("sliding_attention") or {}).get("rope_theta") or raw.get("rope_local_base_freq")
+                      or 10000.0)
+        params = dict(params.get("full_attention") or {})
+    theta = float(raw.get("rope_theta") or params.get("rope_theta") or (1e6 if arch == "gemma3" else 10000.0))
+    scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if not scaling:
+        return theta, None, local
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if arch == "phi3" and kind in ("su", "yarn", "longrope"):  # as transformers' Phi3Config reads them
+        scaling["rope_type"] = "longrope"
+        scaling.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+        if scaling.get("factor") is None:  # transformers: the ratio of the contexts
+            scaling["factor"] = max_context / scaling["original_max_position_embeddings"]
+    return theta, scaling, local

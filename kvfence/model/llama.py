@@ -1,5 +1,6 @@
-"""A Llama-family model (Llama, Qwen2, Qwen3): its config, its weights (``weights.py``) and rotary tables; the
-forward over the paged KV pool is its backend's (``backends/``), chosen at load from the host's capabilities.
+"""A dense decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3): its config, its weights
+(``weights.py``) and rotary tables; the forward over the paged KV pool is its backend's (``backends/``), chosen at
+load from the host's capabilities and what the config needs.
 
 ``Model.forward`` plans the step (``batch.py``: rows reordered, decode groups first), has the backend compute it,
 and restores the caller's order in the logits. A chunk's logits are bit-identical whatever other chunks share the
@@ -26,10 +27,14 @@ class Model:
     """A decoder's config, weights and layer order, and the backend that computes its forward (built over these
     same ``weights``: it may regroup them at construction, ``Backend``)."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, backend: Backend) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, backend: Backend, backend_reason: str = "") -> None:
         self.config, self.weights, self.backend = config, weights, backend
-        self.dtype, self.device = weights.norm.dtype, weights.norm.device
+        self.backend_reason = backend_reason  # why this backend (``choose_backend``), for the load log
+        self.dtype, self.device = weights.dtype, weights.device
         self.cos, self.sin = _rope_tables(config, self.dtype, self.device)  # [max_context, D] each
+        # gemma3's sliding layers rotate with a table of their own
+        self.local_rope = (None if config.rope_local_theta is None else
+                           _rope_tables(config, self.dtype, self.device, config.rope_local_theta, None))
         self._pool_views: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
     @classmethod
@@ -43,7 +48,8 @@ class Model:
         caps, where = kernels.detect(), torch.device(device)
         keep = caps.runs(dtype, where) and os.environ.get("KVFENCE_KEEP_BLOCKS", "1") != "0"
         weights = Weights.from_state_dict(cfg, sd, dtype, device, keep_blocks=keep)
-        return cls(cfg, weights, choose_backend(caps, cfg, dtype, where)(cfg, weights, caps))
+        backend, why = choose_backend(caps, cfg, dtype, where)
+        return cls(cfg, weights, backend(cfg, weights, caps), why)
 
     def forward(self, chunks: list[SeqChunk], pool: KVPool, all_logits: bool = False) -> torch.Tensor:
         """Run one step: for each chunk write its K/V into the pool at its slots and attend over positions
@@ -53,7 +59,7 @@ class Model:
         every token when ``all_logits``. Each row is bit-identical whatever other chunks share the call.
         """
         with torch.inference_mode():
-            b = make_batch(chunks, pool, self._pool_layers(pool), self.config, self.cos, self.sin)
+            b = make_batch(chunks, pool, self._pool_layers(pool), self.config, self.cos, self.sin, self.local_rope)
             logits = self.backend.forward(b, all_logits)
             order = b.token_order if all_logits else b.chunk_order
             return (logits if order is None else logits[order]).float()
@@ -68,16 +74,49 @@ class Model:
         return self._pool_views[1]
 
 
-def _rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin ``[max_context, D]``, computed in float32 like HF, then cast."""
-    D = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))  # [D/2]
-    inv_freq = _scale_rope(inv_freq, cfg.rope_scaling)
-    freqs = torch.outer(torch.arange(cfg.max_context, dtype=torch.float32), inv_freq)  # [max_context, D/2]
+def _rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, theta: float | None = None,
+                 scaling: dict | None | bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin ``[max_context, D]``, computed in float32 like HF, then cast. ``theta`` and
+    ``scaling`` default to the config's (``scaling=None``: none).
+
+    longrope (Phi-3) is a table per position: positions below ``original_max_position_embeddings`` (``orig``)
+    rotate with the short factors, the others with the long ones, both scaled by the attention factor, as
+    transformers' ``_compute_longrope_parameters``. transformers picks one set per forward call (long if the call
+    reaches past ``orig``), and its ``generate`` recomputes the whole cache with the long factors when a sequence
+    grows past ``orig``. So the two agree exactly on every sequence that stays within ``orig`` positions (and with
+    transformers' forward run one token at a time past it); beyond, kvfence keeps the positions below ``orig`` on the
+    short factors. A fixed table keeps a position's K/V a function of the tokens alone: pages are written once,
+    moved between workers and checksummed, whatever the chunking, the batch, or a recompute."""
+    D, theta = cfg.head_dim, cfg.rope_theta if theta is None else theta
+    scaling = cfg.rope_scaling if scaling is True else scaling
+    shape = torch.arange(0, D, 2, dtype=torch.int64).float() / D  # [D/2]
+    positions = torch.arange(cfg.max_context, dtype=torch.float32)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    attention_factor = 1.0
+    if kind == "longrope":
+        short, long, attention_factor = _longrope(scaling, theta, shape)
+        orig = min(scaling["original_max_position_embeddings"], cfg.max_context)
+        freqs = torch.cat([torch.outer(positions[:orig], short), torch.outer(positions[orig:], long)])
+    else:
+        inv_freq = _scale_rope(1.0 / (theta**shape), scaling)  # [D/2]
+        freqs = torch.outer(positions, inv_freq)  # [max_context, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [max_context, D]
     cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     sin = torch.cat([-sin[:, : D // 2], sin[:, D // 2 :]], dim=-1)  # rotate_half(x) * sin == roll(x) * this
     return cos.to(device, dtype), sin.to(device, dtype)
+
+
+def _longrope(scaling: dict, theta: float, shape: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(short inv_freq, long inv_freq, attention factor)`` as transformers' ``_compute_longrope_parameters``."""
+    orig, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * theta**shape)
+                   for k in ("short_factor", "long_factor"))
+    return short, long, attention_factor
 
 
 def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
@@ -88,7 +127,7 @@ def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind != "llama3":
-        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, longrope)")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_ctx = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq

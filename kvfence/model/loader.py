@@ -1,4 +1,5 @@
-"""Load a model: the bundled SmolLM2 GGUF, any llama-arch GGUF, or an HF directory (Llama/Qwen2/Qwen3).
+"""Load a model: the bundled SmolLM2 GGUF, any llama-arch GGUF, or an HF directory (Llama, Qwen2, Qwen3, Mistral,
+Phi-3, Gemma 2, Gemma 3 text).
 
 Every source ends as a state dict with HF names and HF layouts (GGUF Q/K rows un-permuted; GGUF Q4_1/Q8_0
 matrices as ``BlockWeight``s), a ``ModelConfig`` and a ``Tokenizer``; ``Model.from_state_dict`` then chooses the
@@ -84,7 +85,7 @@ def load_model(model: str = SMOLLM2, dtype: torch.dtype = torch.bfloat16, device
         time.perf_counter() - t0,
     )
     cpu = f"; CPU capabilities: {kernels.detect().summary()}" if net.device.type == "cpu" else ""
-    log.info("model backend: %s%s", net.backend.name, cpu)
+    log.info("model backend: %s (%s)%s", net.backend.name, net.backend_reason, cpu)
     return LoadedModel(name=name if model != SMOLLM2 else model, config=cfg, model=net, tokenizer=tok)
 
 

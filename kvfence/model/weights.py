@@ -1,5 +1,6 @@
-"""A Llama-family model's weights, fused at load: per layer q/k/v into one ``qkv`` and gate/up into one
-``gate_up`` (``Weights.from_state_dict``), layers in order.
+"""A dense decoder's weights, fused at load: per layer q/k/v into one ``qkv`` and gate/up into one ``gate_up``
+(``Weights.from_state_dict``; Phi-3 ships them fused, in the same row order), layers in order. Gemma's norm
+weights are kept as ``1 + w`` in float32, the factor its RMSNorm multiplies by.
 
 A matmul weight is a bf16 (or float32) tensor, a ``BlockWeight`` (GGUF blocks the C kernels expand; kept only
 where they run) or ``DecodeBlocks`` (the same blocks regrouped for the int8 kernel: the C backend swaps them in
@@ -32,6 +33,8 @@ class Layer:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: Matrix
     down: Matrix  # [hidden, F]
+    post_attn_norm: torch.Tensor | None = None  # [hidden] (gemma: on the attention's output, before the residual)
+    post_mlp_norm: torch.Tensor | None = None  # [hidden] (gemma: on the MLP's output, before the residual)
 
     @property
     def matrices(self) -> tuple[Matrix, Matrix, Matrix, Matrix]:
@@ -45,6 +48,8 @@ class Weights:
     layers: list[Layer]
     norm: torch.Tensor  # [hidden]
     lm_head: Matrix  # [vocab, hidden]; the embedding itself where tied
+    dtype: torch.dtype  # of the model: what the forward computes in
+    device: torch.device
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor | BlockWeight], dtype: torch.dtype,
@@ -61,10 +66,13 @@ class Weights:
                 w = w.dequantize()
             return w.to(device=device, dtype=dtype).contiguous()
 
-        layers = [_layer(cfg, get, f"model.layers.{i}.", sd) for i in range(cfg.num_layers)]
+        def norm(name: str) -> torch.Tensor:  # gemma multiplies by (1 + w) in float32, as transformers does
+            return get(name).float() + 1.0 if cfg.norm_offset else get(name)
+
+        layers = [_layer(cfg, get, norm, f"model.layers.{i}.", sd) for i in range(cfg.num_layers)]
         embed = get("model.embed_tokens.weight")
         lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
-        return cls(embed, layers, get("model.norm.weight"), lm_head)
+        return cls(embed, layers, norm("model.norm.weight"), lm_head, dtype, torch.device(device))
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``tokens`` ``[T]`` -> ``[T, hidden]``, a new tensor."""
@@ -80,30 +88,44 @@ class Weights:
         return out
 
 
-def _layer(cfg: ModelConfig, get: Callable[[str], torch.Tensor | BlockWeight], p: str,
-           sd: dict[str, torch.Tensor | BlockWeight]) -> Layer:
-    """Fuse one HF decoder layer's tensors (prefix ``p``)."""
+def _layer(cfg: ModelConfig, get: Callable[[str], torch.Tensor | BlockWeight], norm: Callable[[str], torch.Tensor],
+           p: str, sd: dict[str, torch.Tensor | BlockWeight]) -> Layer:
+    """Fuse one HF decoder layer's tensors (prefix ``p``); ``norm`` fetches a norm weight."""
     a, m = p + "self_attn.", p + "mlp."
     qkv_bias = None
     if cfg.attention_bias:
         qkv_bias = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
     qk_norm = None
     if cfg.qk_norm:
-        qk_norm = torch.cat(
-            [get(a + "q_norm.weight").expand(cfg.num_heads, -1), get(a + "k_norm.weight").expand(cfg.num_kv_heads, -1)]
-        )
+        q, k = norm(a + "q_norm.weight"), norm(a + "k_norm.weight")
+        qk_norm = torch.cat([q.expand(cfg.num_heads, -1), k.expand(cfg.num_kv_heads, -1)])
     if a + "o_proj.bias" in sd:
         raise ValueError("o_proj bias is not supported")
-    attn_norm = get(p + "input_layernorm.weight")
+    dtype = get(p + "input_layernorm.weight").dtype
+    if a + "qkv_proj.weight" in sd:  # phi3: fused already, rows q, k, v
+        qkv = get(a + "qkv_proj.weight")
+    else:
+        qkv = _rows(dtype, get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"))
+    if m + "gate_up_proj.weight" in sd:  # phi3: fused already, rows gate, up
+        gate_up = get(m + "gate_up_proj.weight")
+    else:
+        gate_up = _rows(dtype, get(m + "gate_proj.weight"), get(m + "up_proj.weight"))
+    if cfg.sandwich_norms:  # gemma's names: post_attention_layernorm follows the attention, pre_feedforward is mlp's
+        post_attn, mlp_norm, post_mlp = (norm(p + n + ".weight") for n in (
+            "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"))
+    else:
+        post_attn, mlp_norm, post_mlp = None, norm(p + "post_attention_layernorm.weight"), None
     return Layer(
-        attn_norm=attn_norm,
-        qkv=_rows(attn_norm.dtype, get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
+        attn_norm=norm(p + "input_layernorm.weight"),
+        qkv=qkv,
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
         o=get(a + "o_proj.weight"),
-        mlp_norm=get(p + "post_attention_layernorm.weight"),
-        gate_up=_rows(attn_norm.dtype, get(m + "gate_proj.weight"), get(m + "up_proj.weight")),
+        mlp_norm=mlp_norm,
+        gate_up=gate_up,
         down=get(m + "down_proj.weight"),
+        post_attn_norm=post_attn,
+        post_mlp_norm=post_mlp,
     )
 
 

@@ -4,6 +4,7 @@
   c-amx, c-avx512, c-avx2   ``c.py``: every row in the C kernels of that flavour (bf16 on CPU)
   torch                     ``torch.py``: torch ops, matmuls in calibrated row blocks (no C kernels, float32, CUDA)
   torch+c-<flavour>-gemm    ``torch.py`` with the C matmul kernel, where the C attention does not fit the heads
+                            or the config is not Llama's forward (sliding windows, Gemma: docs/models.md)
 
 Each is batch-invariant on its own terms, and their bits differ: a process uses one throughout.
 """
@@ -50,9 +51,17 @@ class Backend(Protocol):
 
 
 def choose_backend(caps: kernels.Capabilities, config: ModelConfig, dtype: torch.dtype,
-                   device: torch.device) -> type[Backend]:
-    """The C backend where the C kernels run this dtype and device and their attention fits the heads; else
-    torch."""
-    if caps.runs(dtype, device) and kernels.attention_fits(config.num_heads, config.num_kv_heads, config.head_dim):
-        return CBackend
-    return TorchBackend
+                   device: torch.device) -> tuple[type[Backend], str]:
+    """``(backend, why)``: the C backend where the C kernels run this dtype and device, their attention fits the
+    heads and they compute this config exactly (Llama's forward; the rope tables and fused weights may differ);
+    else torch, with the first reason it is not C, in words."""
+    if not caps.runs(dtype, device):
+        where = "no C kernels on this CPU" if caps.flavour is None and device.type == "cpu" else (
+            f"the C kernels do not run {str(dtype).removeprefix('torch.')} on {device.type}")
+        return TorchBackend, where
+    if not kernels.attention_fits(config.num_heads, config.num_kv_heads, config.head_dim):
+        return TorchBackend, "the C attention does not fit the heads"
+    differs = config.llama_compatible
+    if differs is not None:
+        return TorchBackend, f"the C kernels do not compute {differs}"
+    return CBackend, "the C kernels compute this config exactly"

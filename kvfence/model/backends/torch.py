@@ -1,10 +1,15 @@
-"""The forward on torch ops: CPU without C kernels (or where their attention does not fit), float32, and CUDA.
+"""The forward on torch ops: CPU without C kernels (or where they do not compute the config), float32, and CUDA.
 
 Batch invariance by construction or by calibration: matmuls run in row blocks of calibrated sizes
 (``invariant.py``), or row by row in the C kernel where it runs (bf16 on CPU) but its attention does not fit the
 model's heads; norms and activations are row-wise; attention never mixes sequences: a decode group runs one SDPA
 call per sequence (on a GPU, one call per group where a backend proved batch-invariant at load), each chunk one
 call of its own.
+
+The families beyond Llama run here only (``choose_backend``): sliding windows (``Batch.attn_window``), Gemma's
+(1 + w) norms, sandwich norms, GeGLU, scaled embeddings, its query scale and soft caps. Each is row-wise or inside
+one sequence's attention call, so none of them makes a row depend on its neighbours. Soft-capped attention is
+computed in plain ops per chunk or sequence (SDPA has no soft cap), as transformers' eager attention does.
 
 The ops shared with the C backend (``rms_norm``, ``qkv_extras``, ``chunk_attention``) live here as functions.
 """
@@ -32,7 +37,7 @@ class TorchBackend:
 
     def __init__(self, config: ModelConfig, weights: Weights, caps: kernels.Capabilities) -> None:
         self.config, self.weights = config, weights
-        dtype, device = weights.norm.dtype, weights.norm.device
+        dtype, device = weights.dtype, weights.device
         self.c_gemm = caps.runs(dtype, device)  # every matmul row in the C kernel; else calibrated row blocks
         self.name = f"torch+c-{caps.flavour}-gemm" if self.c_gemm else "torch"
         self._blocks: dict[tuple[int, ...], invariant.RowBlocks] = {}
@@ -74,13 +79,23 @@ class TorchBackend:
         """``[T or B, vocab]`` logits of step ``b``, rows in processing order, in the model's dtype."""
         if not self.c_gemm and torch.get_num_threads() != self._threads:
             self.calibrate()
-        w, eps = self.weights, self.config.rms_norm_eps
+        w, cfg = self.weights, self.config
         x = w.embed_rows(b.tokens)  # [T, hidden], a new tensor: updated in place below
+        if cfg.embed_scale != 1.0:  # gemma: the scale rounded to the model dtype first, as transformers does
+            x *= torch.tensor(cfg.embed_scale, dtype=x.dtype, device=x.device)
         for i, layer in enumerate(w.layers):
-            x += self._attention(layer, rms_norm(x, layer.attn_norm, eps), b, b.kv_layers[i])
-            x += self._mlp(layer, rms_norm(x, layer.mlp_norm, eps))
-        h = rms_norm(x if all_logits else x[b.last_rows], w.norm, eps)  # [T or B, hidden]
-        return self._linear(h, w.lm_head, blocks=self._head_blocks)  # [T or B, vocab]
+            x += self._post(self._attention(i, layer, self._norm(x, layer.attn_norm), b), layer.post_attn_norm)
+            x += self._post(self._mlp(layer, self._norm(x, layer.mlp_norm)), layer.post_mlp_norm)
+        h = self._norm(x if all_logits else x[b.last_rows], w.norm)  # [T or B, hidden]
+        logits = self._linear(h, w.lm_head, blocks=self._head_blocks)  # [T or B, vocab]
+        return logits if cfg.final_softcap is None else softcap(logits, cfg.final_softcap)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, w, self.config.rms_norm_eps, self.config.norm_offset)
+
+    def _post(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        """A sublayer's output, normed where the model has sandwich norms (gemma)."""
+        return x if w is None else self._norm(x, w)
 
     def _linear(self, x: torch.Tensor, w: Matrix, blocks: invariant.RowBlocks | None = None) -> torch.Tensor:
         """``x [T, K] @ w.T`` -> ``[T, N]``, a new tensor; no row depends on the others. The C kernel computes each
@@ -89,75 +104,111 @@ class TorchBackend:
             return kernels.gemm(x, w)
         return invariant.matmul(x, w, blocks or self._blocks[tuple(w.shape)])
 
-    def _attention(self, layer: Layer, x: torch.Tensor, b: Batch, slots: torch.Tensor) -> torch.Tensor:
-        cfg, T = self.config, x.shape[0]
+    def _attention(self, i: int, layer: Layer, x: torch.Tensor, b: Batch) -> torch.Tensor:
+        cfg, T, slots = self.config, x.shape[0], b.kv_layers[i]
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        window = cfg.window(i)
+        cos, sin = b.local_rope if cfg.local_rope(i) else (b.cos, b.sin)
         qkv = self._linear(x, layer.qkv).view(T, H + 2 * KV, D)  # [T, H + 2 KV, D]
         qkv_extras(cfg, layer, qkv)
         qk = qkv[:, : H + KV]  # [T, H + KV, D], a view of qkv
-        rot = qk.roll(D // 2, dims=-1).mul_(b.sin)  # rotary, HF rotate_half convention, in place in qkv
-        qk.mul_(b.cos).add_(rot)
+        rot = qk.roll(D // 2, dims=-1).mul_(sin)  # rotary, HF rotate_half convention, in place in qkv
+        qk.mul_(cos).add_(rot)
         slots.index_copy_(0, b.write_slots, qkv[:, H:].view(T, 2, KV, D))  # new tokens' K/V into their slots
         q = qkv[:, :H]  # [T, H, D]
         kv = slots.index_select(0, b.read_slots)  # [S_total, 2, KV, D]
-        if len(b.attn) == 1 and b.attn[0].group:  # all decode, one length: the output is the attention result
-            return self._linear(self._decode_attention(q, kv, b.attn[0]), layer.o)  # [T, hidden]
+        calls = b.attn if window is None else b.attn_window
+        if len(calls) == 1 and calls[0].group:  # all decode, one length: the output is the attention result
+            return self._linear(self._decode_attention(q, kv, calls[0], window), layer.o)  # [T, hidden]
         out = x.new_empty(T, H * D)
-        for a in b.attn:
+        for a in calls:
             if a.group:
-                out[a.q0 : a.q1] = self._decode_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a)
+                out[a.q0 : a.q1] = self._decode_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a, window)
             else:
-                out[a.q0 : a.q1] = chunk_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a)
+                out[a.q0 : a.q1] = chunk_attention(q[a.q0 : a.q1], kv[a.k0 : a.k1], a, cfg.query_scale,
+                                                   cfg.attn_softcap)
         return self._linear(out, layer.o)  # [T, hidden]
 
-    def _decode_attention(self, q: torch.Tensor, kv: torch.Tensor, a: Attn) -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, kv: torch.Tensor, a: Attn, window: int | None) -> torch.Tensor:
         """``group`` sequences, one query each, all ``S`` long -> ``[group, H D]``: one SDPA call per sequence, whose
         G = H / KV query heads sharing a K/V head are that call's G queries (no causal mask: all sit at the last
-        position). One call per sequence because a call over several is not batch-invariant on every CPU (torch
-        2.13 on an AVX2 host: a sequence's row changed with the group size at every length in fp32, and at 1,024
-        positions x 32 sequences in bf16); on a GPU, one call for the group where ``decode_sdpa`` is a backend
-        that proved batch-invariant at load."""
+        position; a windowed layer keeps each sequence's last ``window`` positions). One call per sequence because
+        a call over several is not batch-invariant on every CPU (torch 2.13 on an AVX2 host: a sequence's row
+        changed with the group size at every length in fp32, and at 1,024 positions x 32 sequences in bf16); on a
+        GPU, one call for the group where ``decode_sdpa`` is a backend that proved batch-invariant at load (never
+        with a soft cap, which SDPA does not compute)."""
         cfg, n = self.config, a.group
-        KV, D = cfg.num_kv_heads, cfg.head_dim
+        KV, D, scale, cap = cfg.num_kv_heads, cfg.head_dim, cfg.query_scale, cfg.attn_softcap
         q, kv = q.view(n, KV, -1, D), kv.view(n, -1, 2, KV, D)  # [n, KV, G, D], [n, S, 2, KV, D]
-        if self.decode_sdpa is not None:  # verified batch-invariant at load (``decode_attention_backend``)
+        if window is not None:
+            kv = kv[:, -window:]  # [n, min(S, window), 2, KV, D]
+        if self.decode_sdpa is not None and cap is None:  # verified batch-invariant at load
             with sdpa_kernel(self.decode_sdpa):
-                out = F.scaled_dot_product_attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2))
+                out = F.scaled_dot_product_attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),
+                                                     scale=scale)
             return out.reshape(n, -1)
         out = q.new_empty(q.shape)
         for i in range(n):
             k, v = kv[i : i + 1, :, 0].transpose(1, 2), kv[i : i + 1, :, 1].transpose(1, 2)  # [1, KV, S, D]
-            out[i] = F.scaled_dot_product_attention(q[i : i + 1], k, v)[0]
+            out[i] = attend(q[i : i + 1], k, v, None, False, scale, cap)[0]
         return out.view(n, -1)
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, F] each
-        return self._linear(F.silu(gate).mul_(up), layer.down)  # [T, hidden]
+        act = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+        return self._linear(act.mul_(up), layer.down)  # [T, hidden]
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalize in float32, round to the model dtype, then scale (same ops, bit for bit)."""
-    return w * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalize in float32, round to the model dtype, then scale (same ops, bit for bit).
+    ``offset`` (gemma): ``w`` holds 1 + weight in float32, and the product is rounded instead."""
+    normed = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
+    return (normed * w).to(x.dtype) if offset else w * normed.to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)``, in x's dtype (gemma2's logits and attention scores)."""
+    return torch.tanh(x / cap) * cap
 
 
 def qkv_extras(cfg: ModelConfig, layer: Layer, qkv: torch.Tensor) -> None:
-    """qwen2's q/k/v bias and qwen3's per-head q/k norm, in place on qkv ``[T, H + 2 KV, D]``."""
+    """qwen2's q/k/v bias and qwen3's (or gemma3's) per-head q/k norm, in place on qkv ``[T, H + 2 KV, D]``."""
     if layer.qkv_bias is not None:
         qkv += layer.qkv_bias.view(qkv.shape[1:])
     if layer.qk_norm is not None:
         heads = cfg.num_heads + cfg.num_kv_heads
-        qkv[:, :heads] = rms_norm(qkv[:, :heads], layer.qk_norm, cfg.rms_norm_eps)
+        qkv[:, :heads] = rms_norm(qkv[:, :heads], layer.qk_norm, cfg.rms_norm_eps, cfg.norm_offset)
 
 
-def chunk_attention(q: torch.Tensor, kv: torch.Tensor, a: Attn) -> torch.Tensor:
-    """One chunk of n queries ``[n, H, D]`` over its sequence's S positions ``[S, 2, KV, D]`` -> ``[n, H D]``."""
+def chunk_attention(q: torch.Tensor, kv: torch.Tensor, a: Attn, scale: float | None = None,
+                    cap: float | None = None) -> torch.Tensor:
+    """One chunk of n queries ``[n, H, D]`` over its sequence's S positions ``[S, 2, KV, D]`` -> ``[n, H D]``;
+    ``scale`` None is head_dim ** -0.5, ``cap`` a soft cap on the scores."""
     # 4-D views (the 3-D form misses the fused CPU kernel)
-    out = F.scaled_dot_product_attention(
+    out = attend(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
         kv[:, 0].transpose(0, 1).unsqueeze(0),  # [1, KV, S, D]
         kv[:, 1].transpose(0, 1).unsqueeze(0),
-        attn_mask=a.mask,
-        is_causal=a.causal,
-        enable_gqa=True,
+        a.mask,
+        a.causal,
+        scale,
+        cap,
     )  # [1, H, n, D]
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+           scale: float | None, cap: float | None) -> torch.Tensor:
+    """Attention of q ``[1, H, n, D]`` over k, v ``[1, KV, S, D]`` (H a multiple of KV) -> ``[1, H, n, D]``: SDPA
+    without a cap; with one, transformers' eager attention (scores scaled, capped, masked, softmax in float32)."""
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    groups, (n, S) = q.shape[1] // k.shape[1], (q.shape[2], k.shape[2])
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [1, H, S, D]
+    scores = softcap((q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale), cap)  # [1,H,n,S]
+    if causal:
+        mask = torch.ones(n, S, dtype=torch.bool, device=q.device).tril(S - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v

@@ -1,0 +1,252 @@
+"""Dense families beyond Llama/Qwen in Hugging Face format (Mistral, Phi-3, Gemma 2, Gemma 3 text), each checked
+against transformers on a tiny random-weight model built from the family's own config class (``tiny_models.py``:
+a sliding window of 24 tokens, shorter than most prompts here; Gemma 3 with two sliding layers and a global one).
+
+Tolerances, float32 both sides: a prompt's logits in one forward within 2e-5 x the largest logit of
+transformers' (measured: 0, the same ops in the same order); chunked prefill and decode steps within 1e-4 x
+(measured ~1e-6: other kernels and call sizes). Greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvfence.kvcache.pool import KVPool
+from kvfence.model import kernels
+from kvfence.model.backends import CBackend, TorchBackend, choose_backend
+from kvfence.model.describe import hf_arch
+from kvfence.model.llama import Model
+from kvfence.model.loader import load_model
+from tests.server import Server
+from tests.test_model import CHUNK_REL_TOL, REL_TOL, assert_close, check_invariance, hf_logits, prefill, varied_text
+from tests.tiny_models import FAMILIES, WINDOW, greedy, tiny_model_dir
+
+transformers = pytest.importorskip("transformers")
+
+CAPS = kernels.detect()
+# prompt lengths: shorter and longer than the window, and (for Phi-3's longrope, whose short factors end at 64)
+# some whose greedy continuation crosses position 64
+LENGTHS = (5, 12, 23, 25, 40, 50, 60, 63)
+NEW_TOKENS = 12
+LONG = 300  # a prompt many windows long
+
+
+def prompts(family: str) -> list[list[int]]:
+    tok = load(family).tokenizer
+    return [tok.encode(varied_text(n, seed=FAMILIES.index(family) * 10 + i))[:n] for i, n in enumerate(LENGTHS)]
+
+
+_LOADED: dict = {}
+
+
+def load(family: str, dtype: torch.dtype = torch.float32):
+    key = (family, dtype)
+    if key not in _LOADED:
+        _LOADED[key] = load_model(str(tiny_model_dir(family)), dtype=dtype)
+    return _LOADED[key]
+
+
+_HF: dict = {}
+
+
+def hf(family: str):
+    if family not in _HF:
+        _HF[family] = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir(family),
+                                                                         dtype=torch.float32).eval()
+    return _HF[family]
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2)
+    return out[0, len(ids) :].tolist()
+
+
+def hf_stepwise_greedy(model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, one token per call over its cache, without Phi-3's recompute of the whole cache
+    with the long factors when the sequence passes 64 positions (``prepare_inputs_for_generation``)."""
+    out: list[int] = []
+    with torch.inference_mode():
+        step = model(torch.tensor([ids]), use_cache=True)
+        while True:
+            out.append(int(step.logits[0, -1].argmax()))
+            if len(out) == n:
+                return out
+            step = model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+
+
+def hf_stepwise_logits(model, ids: list[int], first: int) -> torch.Tensor:
+    """transformers' logits of ``ids``: ``ids[:first]`` in one call, then one token per call over its cache (how
+    ``generate`` runs; Phi-3's longrope then rotates each position by its own factors, as kvfence always does)."""
+    with torch.inference_mode():
+        out = model(torch.tensor([ids[:first]]), use_cache=True)
+        rows, cache = [out.logits[0]], out.past_key_values
+        for t in ids[first:]:
+            out = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            rows.append(out.logits[0])
+            cache = out.past_key_values
+    return torch.cat(rows).float()
+
+
+# -- loading and the backend --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_loads_with_its_features(family):
+    cfg = load(family).config
+    assert cfg.arch == family.removesuffix("-plain")
+    windows = [cfg.window(i) for i in range(cfg.num_layers)]
+    want = {"mistral": [WINDOW] * 2, "phi3": [WINDOW] * 2, "phi3-plain": [None] * 2, "gemma2": [WINDOW, None],
+            "gemma3": [WINDOW, WINDOW, None]}[family]
+    assert windows == want
+    if family.startswith("gemma"):
+        assert (cfg.hidden_act, cfg.norm_offset, cfg.sandwich_norms, cfg.embed_scale) == ("gelu_tanh", True, True, 8.0)
+        assert cfg.query_scale == 24**-0.5
+    if family == "gemma2":
+        assert (cfg.attn_softcap, cfg.final_softcap) == (3.0, 15.0)
+    if family == "gemma3":
+        assert cfg.qk_norm and cfg.rope_local_theta == 1000.0 and cfg.rope_scaling["rope_type"] == "linear"
+    if family == "phi3":
+        assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.rope_scaling["factor"] == 4096 / 64
+
+
+def test_the_c_backend_runs_only_the_configs_it_computes_exactly():
+    """Llama's forward with other rope tables or fused weights is the C backend's (Phi-3 without a window, Mistral
+    with one covering the context); every other feature goes to torch, and the reason is said."""
+    caps, cpu, bf16 = dataclasses.replace(CAPS, flavour="avx2"), torch.device("cpu"), torch.bfloat16
+    for family in FAMILIES:
+        cfg = load(family).config
+        backend, why = choose_backend(caps, cfg, bf16, cpu)
+        assert backend is (CBackend if family == "phi3-plain" else TorchBackend), family
+        assert ("exactly" in why) == (family == "phi3-plain"), why
+    mistral = load("mistral").config
+    assert "sliding-window" in choose_backend(caps, mistral, bf16, cpu)[1]
+    assert choose_backend(caps, dataclasses.replace(mistral, sliding_window=mistral.max_context), bf16, cpu)[0] \
+        is CBackend
+    assert "gelu_tanh" in choose_backend(caps, dataclasses.replace(load("gemma2").config, sliding_window=None),
+                                         bf16, cpu)[1]
+
+
+def test_the_window_changes_what_the_model_computes():
+    """The tiny models' window really acts: without it, a prompt longer than the window gets other logits."""
+    loaded = load("mistral")
+    ids = prompts("mistral")[-1]
+    pool = KVPool(loaded.config, 8, 16, torch.float32)
+    windowed = prefill(loaded.model, [ids], pool)
+    cfg = dataclasses.replace(loaded.config, sliding_window=None)
+    plain = prefill(Model(cfg, loaded.model.weights, TorchBackend(cfg, loaded.model.weights, CAPS)), [ids],
+                    KVPool(cfg, 8, 16, torch.float32))
+    assert torch.equal(windowed[:WINDOW], plain[:WINDOW])  # the first window sees the whole prefix either way
+    assert (windowed[WINDOW:] - plain[WINDOW:]).abs().max() > 0.1
+
+
+def test_unknown_architectures_are_refused_naming_the_supported_ones():
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported .*Gemma2ForCausalLM.*Gemma3ForCausalLM"
+                       ".*MistralForCausalLM.*Phi3ForCausalLM"):
+        hf_arch({"architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="sliding-window"):
+        hf_arch({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})
+    with pytest.raises(ValueError, match="bidirectional"):
+        hf_arch({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="partial rotary"):
+        hf_arch({"architectures": ["Phi3ForCausalLM"], "rope_parameters": {"partial_rotary_factor": 0.75}})
+    with pytest.raises(ValueError, match="partial rotary"):
+        hf_arch({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75})  # Phi-4-mini's config.json
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        hf_arch({"architectures": ["MistralForCausalLM"], "hidden_act": "gelu"})
+
+
+# -- against transformers -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(family):
+    """A prompt of many windows: in one forward, and in chunks then single-token decode steps. Phi-3's reference
+    runs as ``generate`` does past its 64 short-factor positions (``hf_stepwise_logits``)."""
+    loaded, ref_model = load(family), hf(family)
+    ids = loaded.tokenizer.encode(varied_text(250, seed=7))[:LONG]
+    ref = hf_stepwise_logits(ref_model, ids, 60) if family == "phi3" else hf_logits(ref_model, ids)
+    whole = prefill(loaded.model, [ids], KVPool(loaded.config, 32, 16, torch.float32))
+    if family != "phi3":  # one call over 300 positions rotates them all with the long factors in transformers
+        assert_close(whole, ref, REL_TOL)
+    chunked = prefill(loaded.model, [ids[:10], ids[10:60], ids[60:250], *[[t] for t in ids[250:]]],
+                      KVPool(loaded.config, 32, 16, torch.float32))
+    assert_close(chunked, ref, CHUNK_REL_TOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_match_transformers_generate(family):
+    """Eight prompts, most longer than the window. Phi-3's ``generate`` recomputes every position with the long
+    factors once a sequence passes 64 positions; kvfence keeps each position's table (``llama._rope_tables``), so
+    past 64 its tokens are checked against transformers run one token at a time (``hf_stepwise_greedy``)."""
+    loaded, ref_model = load(family), hf(family)
+    crossed = 0
+    for ids in prompts(family):
+        ours = greedy(loaded.model, ids, NEW_TOKENS)
+        if family == "phi3" and len(ids) + NEW_TOKENS > 64:
+            crossed += 1
+            assert ours[: 64 - len(ids)] == hf_greedy(ref_model, ids, 64 - len(ids)), len(ids)
+            assert ours == hf_stepwise_greedy(ref_model, ids, NEW_TOKENS), len(ids)
+        else:
+            assert ours == hf_greedy(ref_model, ids, NEW_TOKENS), len(ids)
+    assert crossed == (2 if family == "phi3" else 0)
+
+
+# -- the engine and batch invariance ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_engine_chunked_and_paged_gives_the_tokens_of_one_forward(family):
+    """All eight prompts at once through the engine (pages of 16, prefill chunks of 16 tokens, decode batched with
+    the other prompts' chunks) give the tokens of each prompt prefilled in one forward and decoded alone."""
+    from kvfence.llm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir(family)), dtype="float32", max_model_len=256, chunk_size=16)
+    ids = prompts(family)
+    got = llm.generate(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    model = llm.loaded.model
+    assert [r.outputs[0].token_ids for r in got] == [greedy(model, p, NEW_TOKENS, chunk=len(p)) for p in ids]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_invariance(family, dtype):
+    """test_model's check on each family: a chunk's logits are bit-identical whatever shares its step (decodes
+    at 300 positions, a chunk after 300, a fresh prefill of 50 and a 400-token prefill: all past the window)."""
+    loaded = load(family, dtype)
+    check_invariance(loaded, long_prefill=400, decoders=15)
+    if dtype == torch.bfloat16 and CAPS.flavour:  # the torch ops alone too, where the load took the C matmuls
+        cfg, w = loaded.config, loaded.model.weights
+        alone = dataclasses.replace(loaded, model=Model(cfg, w, TorchBackend(cfg, w, dataclasses.replace(
+            CAPS, flavour=None))))
+        check_invariance(alone, long_prefill=400, decoders=15)
+
+
+# -- served ------------------------------------------------------------------------------------------------------
+
+SERVE = ("--max-context", "512", "--kv-pool-tokens", "2048", "--chunk-size", "32")
+
+
+def completion_ids(server: Server, model: str, prompt: list[int]) -> str:
+    reply = server.client().completions.create(model=model, prompt=prompt, temperature=0, max_tokens=NEW_TOKENS,
+                                               extra_body={"ignore_eos": True})
+    return reply.choices[0].text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_served_colocated_and_disaggregated_give_the_models_tokens(family):
+    """Over HTTP with the openai client: colocated gives the text of the in-process greedy tokens (bf16, the
+    backend a worker loads; prompts of 1 and 2 chunks, below and past the window), and 1 prefill + 1 decode worker
+    (real processes, shm) give exactly colocated's."""
+    path, ids = tiny_model_dir(family), [prompts(family)[i] for i in (2, 5, 7)]  # 23, 50 and 63 tokens
+    loaded = load(family, torch.bfloat16)
+    want = [loaded.tokenizer.decode(greedy(loaded.model, p, NEW_TOKENS, chunk=32)) for p in ids]
+    with Server("--mode", "colocated", "--model", str(path), *SERVE) as server:
+        colocated = [completion_ids(server, path.name, p) for p in ids]
+    assert colocated == want
+    with Server("--model", str(path), "--prefill", "1", "--decode", "1", *SERVE) as server:
+        assert [completion_ids(server, path.name, p) for p in ids] == colocated
