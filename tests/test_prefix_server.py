@@ -7,6 +7,7 @@ one's pages, which is the timing side channel the layer closes."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -68,6 +69,9 @@ def test_a_repeated_prompt_reads_its_prefix_from_the_cache_and_answers_the_same(
     assert usage and usage[0].prompt_tokens_details.cached_tokens % PAGE == 0
     assert metric(server, "kvfence:prefix_cache_hits_total", tenant="alice") >= again[2] + other[2]
     assert metric(server, "kvfence:prefix_cache_queries_total", tenant="alice") >= 3 * prompt_tokens
+    deadline = time.monotonic() + 5  # disaggregated: the prefill worker's next heartbeat carries it
+    while not metric(server, "kvfence:prefix_cache_pages") and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert metric(server, "kvfence:prefix_cache_pages") > 0
 
 
@@ -86,10 +90,10 @@ def test_requests_reading_the_same_cached_pages_at_once_all_pass_verification(se
     alone = ask(server, "alice", question)
 
     async def together() -> list[str]:
-        client = server.async_client(KEYS["alice"])
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-        replies = await asyncio.gather(*(client.chat.completions.create(
-            model="llama", messages=messages, max_tokens=8, temperature=0) for _ in range(4)))
+        async with server.async_client(KEYS["alice"]) as client:
+            replies = await asyncio.gather(*(client.chat.completions.create(
+                model="llama", messages=messages, max_tokens=8, temperature=0) for _ in range(4)))
         assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in replies)
         return [r.choices[0].message.content for r in replies]
 
