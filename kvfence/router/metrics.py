@@ -25,7 +25,8 @@ Metrics:
 - ``kvfence_preemptions_total{tenant}``: times a worker preempted a request of the tenant (counted when the
   request ends, from its last output's ``preemptions``; decode workers report them).
 - ``kvfence_kv_pages_total{worker,role}``, ``kvfence_kv_pages_in_use{worker,role}``,
-  ``kvfence_kv_pages_quarantined{worker,role}``: each worker's KV pool, from its latest heartbeat.
+  ``kvfence_kv_pages_quarantined{worker,role}``: each worker's KV pool, from its latest heartbeat (prefix-cache
+  pages no request reads count as free, as vLLM counts them: they are evicted when a grant needs them).
 - ``kvfence_kv_transfers_in_flight``: requests sent to a prefill/decode pair whose KV has not yet landed.
 - ``kvfence_prompt_tokens_computed_total{worker,role}``: prompt positions whose KV each worker computed since it
   started (from its latest heartbeat; recomputes after preemption included). The ``n`` choices of one request
