@@ -59,6 +59,9 @@ def add_pool_args(p: argparse.ArgumentParser, per_role: bool) -> None:
     g.add_argument("--step-tokens", type=positive_int, default=512,
                    help="prefill tokens per engine step at most, in whole chunks (a step's first chunk always runs): "
                         "every prompt in a step waits for the whole step, so smaller gets first tokens out sooner")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of prompt prefixes already computed (the colocated engine, or prefill "
+                        "workers), only within one tenant and cache_salt: a tenant never reads, or times, another's")
 
 
 def add_timeout_args(p: argparse.ArgumentParser) -> None:
@@ -298,12 +301,12 @@ def defaults_from_env(parser: argparse.ArgumentParser) -> None:
 
 
 def _env_value(action: argparse.Action, text: str):
-    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction | argparse.BooleanOptionalAction):
         on = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
               "off": False}.get(text.strip().lower())
         if on is None:
             raise ValueError("expected 1/0, true/false, yes/no or on/off")
-        return on if isinstance(action, argparse._StoreTrueAction) else not on
+        return not on if isinstance(action, argparse._StoreFalseAction) else on
     convert = action.type or str
     if isinstance(action, argparse._AppendAction):
         return [convert(part.strip()) for part in text.split(",") if part.strip()]
@@ -419,7 +422,8 @@ def serve_colocated(args: argparse.Namespace) -> int:
     refuse_to_start_unless_fits("colocated", pool, args.page_size, max_context)
     config = EngineConfig(max_context=max_context, kv_pool_tokens=pool,
                           page_size=args.page_size, max_batch=args.max_batch, chunk_size=args.chunk_size,
-                          step_tokens=args.step_tokens, fair=args.scheduling == "fair")
+                          step_tokens=args.step_tokens, fair=args.scheduling == "fair",
+                          prefix_caching=args.enable_prefix_caching)
     engine = Engine(loaded.model, loaded.tokenizer, config, dtype_of(args), args.device)
     freeze_loaded_objects()
     log.info("colocated engine: KV pool %d tokens (%d pages of %d, %.0f MiB)", config.num_pages * config.page_size,
@@ -534,7 +538,8 @@ def worker_settings(args, role: str, bind: str, router: str, max_context: int, p
         max_batch=args.max_batch, transfer=args.transfer, advertise=advertise,
         emulate_incident=getattr(args, "emulate_incident", False),
         threads=args.threads if threads is None else threads, solo_threads=solo_threads, log_level=args.log_level,
-        handoff_timeout=args.handoff_timeout, scheduling=args.scheduling, cluster_key=key)
+        handoff_timeout=args.handoff_timeout, scheduling=args.scheduling, cluster_key=key,
+        prefix_caching=args.enable_prefix_caching)
 
 
 def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int, tenants,

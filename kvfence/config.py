@@ -93,6 +93,7 @@ class EngineConfig:
     chunk_size: int = 512  # prefill chunk; chunk boundaries are fixed per request
     step_tokens: int = 512  # prefill tokens at most per step (budget, whole chunks)
     fair: bool = True  # tenants' fair share orders admissions and preemption (False: first come, first served)
+    prefix_caching: bool = False  # reuse the KV of prompt prefixes, per tenant (``kvcache/prefix.py``; serve: on)
 
     @property
     def num_pages(self) -> int:

@@ -183,6 +183,7 @@ class Request:
     rid: int = field(default_factory=new_request_id)
     output_ids: list[int] = field(default_factory=list)
     weight: float = 1.0  # the tenant's share weight (tenants file), for the workers' fair scheduling
+    cache_salt: str | None = None  # with the tenant, scopes the prefix cache: only equal salts share pages
 
     @property
     def prompt_len(self) -> int:
@@ -224,6 +225,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first output, when asked: prompt tokens 2..n
     index: int = 0  # the choice these tokens belong to
     choice_finish: FinishReason | None = None  # set on the choice's last output
+    cached_tokens: int = 0  # on the first output: prompt tokens read from the prefix cache, not computed
 
     def __post_init__(self) -> None:
         if self.choice_finish is None:

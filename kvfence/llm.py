@@ -89,7 +89,7 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "bfloat16", device: str = "cpu",
                  max_model_len: int | None = None, kv_pool_tokens: int | None = None, max_batch: int = 64,
-                 page_size: int = 16, chunk_size: int = 512) -> None:
+                 page_size: int = 16, chunk_size: int = 512, enable_prefix_caching: bool = True) -> None:
         import torch
 
         from kvfence.engine.engine import Engine
@@ -110,7 +110,8 @@ class LLM:
         except PreflightError as err:
             raise ValueError(err.message) from None
         config = EngineConfig(max_context=max_context, kv_pool_tokens=pool, page_size=page_size,
-                              max_batch=max_batch, chunk_size=chunk_size, step_tokens=chunk_size)
+                              max_batch=max_batch, chunk_size=chunk_size, step_tokens=chunk_size,
+                              prefix_caching=enable_prefix_caching)
         self.engine = Engine(self.loaded.model, self.tokenizer, config, torch_dtype, device)
         kernels.release_thread_pool()  # generate() may run in another thread than this one
 

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 LAYERS = ("preflight", "admission", "propagation", "tags", "coverage", "checksum", "deferred_release",
-          "deferred_abort", "shared_write")
+          "deferred_abort", "shared_write", "prefix_scope")
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Safety:
     deferred_release: bool = True  # L6: no page freed before Done or AbortAck
     deferred_abort: bool = True  # L7: a disconnect mid-transfer waits for the handoff
     shared_write: bool = True  # n > 1: the prompt's partial last page is copied per branch; no write hits a shared page
+    prefix_scope: bool = True  # tenant and cache_salt are in every prefix-cache key: no tenant reads another's pages
 
     @classmethod
     def from_env(cls, value: str | None = None) -> Safety:

@@ -56,6 +56,15 @@ def test_a_bad_kvfence_variable_is_a_usage_error_naming_it(name, value):
     assert run.returncode == 2 and name in run.stderr
 
 
+def test_prefix_caching_is_on_unless_turned_off_by_flag_or_variable(monkeypatch):
+    parse = build_parser().parse_args
+    assert parse(["serve"]).enable_prefix_caching and parse(["prefill", "--router", "ipc://r"]).enable_prefix_caching
+    assert not parse(["serve", "--no-enable-prefix-caching"]).enable_prefix_caching
+    monkeypatch.setenv("KVFENCE_ENABLE_PREFIX_CACHING", "0")
+    assert not build_parser().parse_args(["serve"]).enable_prefix_caching
+    assert build_parser().parse_args(["serve", "--enable-prefix-caching"]).enable_prefix_caching
+
+
 def test_global_flags_are_accepted_after_the_subcommand():
     assert build_parser().parse_args(["serve", "--log-level", "DEBUG"]).log_level == "DEBUG"
     assert build_parser().parse_args(["--log-level", "ERROR", "serve"]).log_level == "ERROR"

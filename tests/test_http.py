@@ -697,3 +697,23 @@ def test_client_disconnect_closes_the_engine_iterator(caplog, path, body, block_
             time.sleep(0.01)
     assert engine.ending == "CancelledError"
     assert "status=499" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_cache_salt_reaches_the_engine_and_cached_tokens_the_usage():
+    """``cache_salt`` (vLLM's field) scopes the prefix cache with the tenant; the first output's ``cached_tokens``
+    is the usage's ``prompt_tokens_details.cached_tokens``, whole and streamed."""
+    outputs = [RequestOutput(1, [100], "Hi", completion_tokens=1, cached_tokens=16),
+               RequestOutput(1, [101], "!", FinishReason.STOP, completion_tokens=2)]
+    engine = FakeEngine(outputs=outputs)
+    async with asgi_client(engine) as c:
+        body = (await c.post("/v1/chat/completions", json=chat_body(cache_salt="s1"))).json()
+        assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+        stream = await c.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+        last = json.loads(stream.text.split("data: ")[-2])
+        assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+        assert [r.cache_salt for r in engine.requests] == ["s1", None]
+        for salt in ("", 5, ["a"]):
+            resp = await c.post("/v1/chat/completions", json=chat_body(cache_salt=salt))
+            assert_error(resp, 400, "invalid_request_error", "cache_salt")

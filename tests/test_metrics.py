@@ -127,6 +127,26 @@ async def test_pool_gauges_and_transfers_come_from_each_workers_heartbeat():
     assert value(text, "kvfence_kv_transfers_in_flight") == 3
 
 
+@pytest.mark.anyio
+async def test_prefix_cache_pages_and_evictions_come_from_colocated_health_and_prefill_heartbeats():
+    engine = FakeEngine()
+    workers = {"tcp://h:1": {"role": "decode", "total_pages": 64, "free_pages": 64, "quarantined_pages": 0},
+               "tcp://h:2": {"role": "prefill", "total_pages": 32, "free_pages": 32, "quarantined_pages": 0,
+                             "cached_pages": 7, "cache_evictions": 3}}
+    engine.health = lambda: {"mode": "disaggregated", "workers": workers}
+    async with asgi(engine) as c:
+        text = await scrape(c)
+    prefill = {"worker": "tcp://h:2", "role": "prefill"}
+    assert value(text, "kvfence:prefix_cache_pages", **prefill) == 7
+    assert value(text, "kvfence:prefix_cache_evictions_total", **prefill) == 3
+    assert "tcp://h:1" not in "".join(line for line in text.splitlines() if "prefix_cache" in line)
+    engine.health = lambda: {"mode": "colocated", "kv_pages_total": 10, "kv_pages_free": 10, "cached_pages": 4,
+                             "cache_evictions": 0}
+    async with asgi(engine) as c:
+        text = await scrape(c)
+    assert value(text, "kvfence:prefix_cache_pages", worker="local", role="colocated") == 4
+
+
 def test_router_core_counts_requests_in_their_handoff():
     core = core_with(("p0", "prefill"), ("d0", "decode"))
     core.submit(request(1))

@@ -246,7 +246,7 @@ def test_a_forked_choice_reads_its_lenders_pages_under_the_lenders_tags_and_pree
     s.add(a)
     run(s)  # a's prompt: pages 0..2 (the last one holds 1 token)
     s.pages.share(1, a.grants[:2], 2)
-    b.borrow(1, a.grants[:2])
+    b.borrow([1, 1], a.grants[:2])
     b.add_grants(s.pages.grant(2, 1))  # its copy of the partial page
     b.num_computed = 9
     b.req.output_ids.append(7)
@@ -258,5 +258,5 @@ def test_a_forked_choice_reads_its_lenders_pages_under_the_lenders_tags_and_pree
     assert [s.pages.refcount(p) for p in range(4)] == [2, 2, 1, 1]
     s._preempt(b)  # b recomputes later on pages of its own; a keeps the prompt's pages
     assert [s.pages.refcount(p) for p in range(4)] == [1, 1, 1, 0]
-    assert (b.shared, b.lender, b.grants) == (0, 0, [])
+    assert (b.shared, b.lenders, b.grants) == (0, [], [])
     s.pages.check_integrity()

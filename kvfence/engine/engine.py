@@ -29,6 +29,7 @@ from kvfence.engine.sampler import logprob_of, make_generator, sample, token_log
 from kvfence.engine.scheduler import Group, Scheduler, Sequence, Work
 from kvfence.kvcache.pages import PageError, PageGrant, PageState, PageTable
 from kvfence.kvcache.pool import KVPool
+from kvfence.kvcache.prefix import PrefixCache
 from kvfence.model.batch import SeqChunk
 from kvfence.model.llama import Model
 from kvfence.model.tokenizer import Tokenizer
@@ -52,6 +53,12 @@ class Engine:
     page with more than one holder (``PageTable.check_writable``; ``KVFENCE_UNSAFE=shared_write`` shares the
     partial page instead, for the test that shows the harm). A choice with no page for its copy waits and
     recomputes the prompt like a preempted request.
+
+    Prefix caching (``config.prefix_caching``, never with ``remote_writes``: only pages this engine computed are
+    cached): the scheduler lends a request the cached pages of its prompt's longest cached prefix, in its
+    tenant's scope (``kvcache/prefix.py``), and once the prompt is computed its full pages are handed over to
+    the cache, which the request goes on reading by reference. ``KVFENCE_UNSAFE=prefix_scope`` leaves tenant and
+    salt out of the keys. A request's first output says how many prompt tokens it read from the cache.
     """
 
     decodes = True  # requests decode here: the model prepares for decode rows at start (not at the first one)
@@ -64,7 +71,9 @@ class Engine:
         self.pool = pool or KVPool(model.config, config.num_pages, config.page_size, dtype, device)
         self.region = self.pool.region if remote_writes else None
         self.pages = PageTable(config.num_pages)
-        self.scheduler = Scheduler(config, self.pages)
+        self.cache = (PrefixCache(self.pages, config.page_size, f"{model.config}/{dtype}", self.safety.prefix_scope)
+                      if config.prefix_caching and not remote_writes else None)
+        self.scheduler = Scheduler(config, self.pages, self.cache)
         self.seqs: dict[int, Sequence] = {}
         self.trackers: dict[int, OutputTracker] = {}
         self.prompt_tokens_computed = 0  # prompt positions whose K/V this engine computed (recomputes included)
@@ -74,6 +83,11 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def free_pages(self) -> int:
+        """Pages a grant may take: free ones and cached ones no request holds (evicted on demand)."""
+        return self.pages.num_free + (self.cache.evictable() if self.cache is not None else 0)
 
     @property
     def token_limit(self) -> int:
@@ -105,15 +119,17 @@ class Engine:
         return Guide(req.params.grammar, ll_tokenizer(self.tokenizer, self.model.config.vocab_size))
 
     def add_prefilled(self, req: Request, grants: list[PageGrant], firsts: list[tuple[int, TokenLogprob | None]],
-                      prompt_logprobs: list[TokenLogprob] | None = None) -> list[RequestOutput]:
+                      prompt_logprobs: list[TokenLogprob] | None = None, cached_tokens: int = 0
+                      ) -> list[RequestOutput]:
         """Take over a request whose prompt KV already sits, verified, in ``grants``; continue decoding.
-        ``firsts``: each choice's first token (and its logprob), sampled by prefill.
+        ``firsts``: each choice's first token (and its logprob), sampled by prefill; ``cached_tokens``: how many
+        prompt tokens prefill read from its prefix cache.
 
         The pages must be held by ``req.rid`` in this engine's page table.
         """
         seq = self._open(req)
         seq.add_grants(grants)
-        seq.num_computed = req.prompt_len
+        seq.num_computed, seq.cached = req.prompt_len, cached_tokens
         seq.stamped = len(grants)  # prefill wrote these tag records, checked on landing
         self.scheduler.add_running(seq)
         self.trackers[req.rid].prompt_logprobs = prompt_logprobs or []
@@ -150,10 +166,12 @@ class Engine:
         return outputs
 
     def check_integrity(self, also_held: list[int] = ()) -> None:
-        """The page table is consistent, and the pages it says are held are exactly those of live requests
-        (plus ``also_held``: pages other owners on this thread hold, e.g. grants awaiting a transfer)."""
-        self.pages.check_integrity()
-        held = Counter([g.page for s in self.seqs.values() for g in s.grants] + list(also_held))
+        """The page table is consistent, and the pages it says are held are exactly those of live requests and
+        the prefix cache (plus ``also_held``: pages other owners on this thread hold, e.g. grants awaiting a
+        transfer)."""
+        cached = self.cache.held if self.cache is not None else {}
+        self.pages.check_integrity(cached, self.cache.owners if self.cache is not None else ())
+        held = Counter([g.page for s in self.seqs.values() for g in s.grants] + list(also_held) + list(cached))
         state = self.pages.state
         table = np.flatnonzero((state >= PageState.GRANTED) & (state <= PageState.READY)).tolist()
         if sorted(held) != table:
@@ -253,6 +271,9 @@ class Engine:
             w.seq.num_computed = w.end
             self.prompt_tokens_computed += max(0, min(w.end, w.seq.req.prompt_len) - w.start)
         self._computed(work)
+        for w in work:
+            if w.start < w.seq.req.prompt_len == w.end:
+                self._cache_prompt(w.seq)
         due = [i for i, w in enumerate(work) if w.samples]
         if not due:
             return []
@@ -301,9 +322,23 @@ class Engine:
     def _computed(self, work: list[Work]) -> None:
         """Hook: the K/V of every ``work`` item is now in the pool."""
 
+    def _cache_prompt(self, seq: Sequence) -> None:
+        """``seq`` computed its prompt (and passed L3 before every step of it): hand the full pages it computed
+        over to the prefix cache; it reads them on by reference."""
+        req, ps = seq.req, self.config.page_size
+        full = req.prompt_len // ps
+        if self.cache is None or full <= seq.shared:
+            return
+        scope = self.cache.scope(req.tenant, req.cache_salt)
+        keys = self.cache.keys(scope, req.prompt_ids[: full * ps])
+        added = self.cache.insert(scope, keys[seq.shared :], seq.rid, seq.grants[seq.shared : full])
+        seq.hand_over(self.cache.owner(scope), seq.shared + added)
+
     def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput | None:
         """Hook: ``seq`` sampled ``token``. Records it, and ends the choice when it is finished."""
         out = self.trackers[seq.rid].append(token, logprob)
+        if len(seq.req.output_ids) == 1:
+            out.cached_tokens = (seq.group.branches[0] if seq.group is not None else seq).cached
         if out.choice_finish is not None:
             self._end(seq, out)
         return out if seq.group is None else self._as_choice(seq, out)
@@ -327,12 +362,12 @@ class Engine:
         n, ps = seq.req.prompt_len, self.config.page_size
         full, partial = divmod(n, ps)
         copy = partial if self.safety.shared_write else 0
-        if copy and not self.pages.can_grant(1):
+        if copy and not self.scheduler.make_room(1):
             self.scheduler.add(branch)
             return
         lent = seq.grants[: self.config.pages_for(n) if not copy else full]
         self.pages.share(seq.rid, lent, branch.rid)
-        branch.borrow(seq.rid, lent)
+        branch.borrow(seq.owners[: len(lent)], lent)
         branch.stamped = len(lent)  # the shared pages' tag records name their owner; a copy is stamped as ours
         if copy:
             grants = self.pages.grant(branch.rid, 1)
@@ -364,7 +399,8 @@ class Engine:
         self.seqs[req.rid] = seq
         self.trackers[req.rid] = self._tracker(req)
         if req.params.n > 1:
-            reqs = [Request(req.prompt_ids, req.params, req.tenant, rid=branch_rid(req.rid, i), weight=req.weight)
+            reqs = [Request(req.prompt_ids, req.params, req.tenant, rid=branch_rid(req.rid, i), weight=req.weight,
+                            cache_salt=req.cache_salt)
                     for i in range(1, req.params.n)]
             others = [Sequence(r, make_generator(r.params, i), index=i) for i, r in enumerate(reqs, 1)]
             seq.group = Group(req.rid, [seq, *others], [self.trackers[req.rid], *map(self._tracker, reqs)],

@@ -3,6 +3,8 @@
 The engine thread owns the engine; the event loop only puts commands in an
 inbox and receives each step's outputs in one batch through
 ``call_soon_threadsafe``. When idle, the thread runs the integrity check once.
+The pool's figures that ``health`` reports are taken on the engine thread after
+each step (the prefix cache may only be read there).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class LocalEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[int, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._stopping = False
+        self._publish()
         self._thread = threading.Thread(target=self._run, name="kvfence-engine", daemon=True)
         kernels.release_thread_pool()  # the engine thread's parallel regions would otherwise wait on wake-ups
         self._thread.start()
@@ -72,7 +75,7 @@ class LocalEngine:
             "running": len(e.scheduler.running),
             "waiting": len(e.scheduler.waiting),
             "kv_pages_total": e.pages.num_pages,
-            "kv_pages_free": e.pages.num_free,
+            **self._pool,
             "preemptions": e.scheduler.num_preempted,
             "prompt_tokens_computed": e.prompt_tokens_computed,
             **({"cpu": kernels.detect().summary()} if e.model.device.type == "cpu" else {}),
@@ -92,9 +95,16 @@ class LocalEngine:
                 self._drain_inbox(block=not self.engine.has_work)
                 if self.engine.has_work:
                     self._deliver(self.engine.step())
+                self._publish()
         except Exception:
             log.exception("engine thread crashed")
             self._fail_all(ServiceUnavailable("The engine stopped unexpectedly."))
+
+    def _publish(self) -> None:
+        """Free pages (cached ones no request reads count too), cached pages and evictions, for ``health``."""
+        e, cache = self.engine, self.engine.cache
+        self._pool = {"kv_pages_free": e.free_pages, "cached_pages": len(cache.entries) if cache else 0,
+                      "cache_evictions": cache.evictions if cache else 0}
 
     def _drain_inbox(self, block: bool) -> None:
         if block:

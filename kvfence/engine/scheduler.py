@@ -23,6 +23,10 @@ Contracts:
   preempted: every write into their pages has landed (decode hands pages to
   the engine only after ``Done``), so a freed page can take no late write
   (L6).
+- Prefix caching (``cache``): admission first looks the prompt's full pages up in the prefix cache and
+  borrows the longest run it finds, but never more than leaves the last two prompt tokens to compute
+  (``hit_pages``); pages no request holds are evicted, least recently used first, before anything is
+  preempted or a request waits for pages. Chunks of the rest keep their fixed boundaries.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from kvfence.config import EngineConfig
 from kvfence.core import Request
 from kvfence.kvcache.pages import PageGrant, PageTable
+from kvfence.kvcache.prefix import PrefixCache
 from kvfence.protocol.capacity import FairShares
 
 
@@ -42,7 +47,9 @@ from kvfence.protocol.capacity import FairShares
 class Sequence:
     """A request's (or one choice's) engine-side state: its pages and how far its KV is computed.
 
-    A forked choice reads its first ``shared`` grants by reference: ``lender`` owns them (their tags name it).
+    It may read its first ``shared`` grants by reference, each owned by its entry of ``lenders`` (their tags name
+    it): a forked choice's prompt pages (owned by choice 0 or a prefix cache), prefix-cache pages it hit, or
+    pages it computed and handed over to the prefix cache.
     """
 
     req: Request
@@ -50,9 +57,9 @@ class Sequence:
     index: int = 0  # which choice of its request
     group: Group | None = None  # the request's choices, when it has several
     grants: list[PageGrant] = field(default_factory=list)
-    lender: int = 0
-    shared: int = 0
+    lenders: list[int] = field(default_factory=list)  # the owner of each of the first grants, read by reference
     num_computed: int = 0  # positions whose K/V are in the pool
+    cached: int = 0  # prompt tokens served from the prefix cache at its latest admission
     tags: tuple[np.ndarray, ...] = ()  # (pages, owner_hi, owner_lo, epochs) for PageTable.verify
     stamped: int = 0  # grants whose tag records already name this request (decode with remote writers)
     arrival: int = 0  # its place in the scheduler's arrival order
@@ -74,9 +81,18 @@ class Sequence:
     def page_ids(self) -> list[int]:
         return [g.page for g in self.grants]
 
+    @property
+    def shared(self) -> int:
+        return len(self.lenders)
+
+    @property
+    def owners(self) -> list[int]:
+        """Whom the tags of each grant name."""
+        return self.lenders + [self.rid] * (len(self.grants) - self.shared)
+
     def add_grants(self, grants: list[PageGrant]) -> None:
         self.grants += grants
-        owners = np.array([self.lender] * self.shared + [self.rid] * (len(self.grants) - self.shared), dtype=object)
+        owners = np.array(self.owners, dtype=object)
         self.tags = (
             np.array(self.page_ids, dtype=np.int64),
             (owners >> 64).astype(np.uint64),
@@ -84,15 +100,22 @@ class Sequence:
             np.array([g.epoch for g in self.grants], dtype=np.uint64),
         )
 
-    def borrow(self, lender: int, grants: list[PageGrant]) -> None:
-        """Read ``grants`` (pages ``lender`` owns, shared with this sequence) as its first pages."""
+    def borrow(self, lenders: list[int], grants: list[PageGrant]) -> None:
+        """Read ``grants`` (pages shared with this sequence, each owned by its entry of ``lenders``) as its first
+        pages."""
         assert not self.grants, "a sequence borrows its prompt's pages before it holds any"
-        self.lender, self.shared = lender, len(grants)
+        self.lenders = list(lenders)
         self.add_grants(grants)
 
+    def hand_over(self, owner: int, upto: int) -> None:
+        """Its own grants up to ``upto`` now belong to ``owner`` (``PageTable.hand_over``); it reads them by
+        reference."""
+        self.lenders += [owner] * (upto - self.shared)
+        self.add_grants([])
+
     def drop_grants(self) -> list[PageGrant]:
-        grants, self.grants, self.tags = self.grants, [], ()
-        self.num_computed = self.stamped = self.shared = self.lender = 0
+        grants, self.grants, self.tags, self.lenders = self.grants, [], (), []
+        self.num_computed = self.stamped = 0
         return grants
 
 
@@ -128,9 +151,10 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pages: PageTable) -> None:
+    def __init__(self, config: EngineConfig, pages: PageTable, cache: PrefixCache | None = None) -> None:
         self.config = config
         self.pages = pages
+        self.cache = cache
         self.waiting: list[Sequence] = []  # taken in fair order (``_key``)
         self.running: list[Sequence] = []  # in admission order
         self.shares = FairShares(config.fair)
@@ -205,7 +229,7 @@ class Scheduler:
         """
         if self.config.pages_for(seq.num_computed + 1) <= len(seq.grants):
             return True
-        while not self.pages.can_grant(1):
+        while not self.make_room(1):
             victim = self._victim()
             self._preempt(victim)
             if victim is seq:
@@ -235,15 +259,46 @@ class Scheduler:
         self.shares.start(seq.req.tenant, end - start, seq.req.weight)
         return budget - (end - start)
 
+    def make_room(self, n: int) -> bool:
+        """Whether ``n`` pages can be granted, evicting prefix-cache pages no request holds if need be."""
+        short = n - self.pages.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.pages.can_grant(n)
+
+    def hit_pages(self, prompt_len: int) -> int:
+        """The most prompt pages a request may read from the prefix cache: whole pages that leave at least two
+        tokens to compute. The last token must run (its logits give the first token), and a one-token chunk
+        would take the decode rows' arithmetic: with two or more, every computed row gets the arithmetic it
+        gets without the cache, so a hit changes no bit of the KV or of the logits."""
+        return max(0, prompt_len - 2) // self.config.page_size
+
     def _admit(self, seq: Sequence) -> bool:
-        """Grant ``seq`` its prompt's pages and move it into the batch, if there is room."""
+        """Grant ``seq`` its prompt's pages (reading what the prefix cache holds of them) and move it into the
+        batch, if there is room."""
         if len(self.running) >= self.config.max_batch:
             return False
-        need = self.config.pages_for(seq.req.prompt_len)
-        if not self.pages.can_grant(need + len(self.running)):  # keep a growth page per running request
-            if self.running or not self.pages.can_grant(need):
+        scope, hit = self._lookup(seq.req)
+        fresh = self.config.pages_for(seq.req.prompt_len) - len(hit)
+        room = self.pages.num_free + (self.cache.evictable(hit) if self.cache is not None else 0)
+        if room < fresh + len(self.running):  # keep a growth page per running request
+            if self.running or room < fresh:
                 return False
         self.waiting.remove(seq)
-        seq.add_grants(self.pages.grant(seq.rid, need))
+        if hit:
+            self.cache.lend(scope, hit, seq.rid)
+            seq.borrow([self.cache.owner(scope)] * len(hit), hit)
+        seq.num_computed = seq.cached = len(hit) * self.config.page_size
+        self.make_room(fresh)
+        seq.add_grants(self.pages.grant(seq.rid, fresh))
         self.running.append(seq)
         return True
+
+    def _lookup(self, req: Request) -> tuple[bytes, list[PageGrant]]:
+        """(``req``'s cache scope, the cached pages it may read); none without a cache or when ``req`` asks for
+        its prompt's logprobs (they are computed with the prompt)."""
+        if self.cache is None or req.params.prompt_logprobs is not None:
+            return b"", []
+        scope = self.cache.scope(req.tenant, req.cache_salt)
+        keys = self.cache.keys(scope, req.prompt_ids[: self.hit_pages(req.prompt_len) * self.config.page_size])
+        return scope, self.cache.match(keys)

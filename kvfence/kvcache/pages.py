@@ -15,6 +15,9 @@ Contracts:
   and epoch never change while it is held; its holders are the owner and every sharer until each frees it, and
   the page returns to the free queue only when its last holder frees it. A shared page cannot be quarantined,
   and ``check_writable`` refuses any page with more than one holder.
+- Handing over (prefix caching): ``hand_over`` makes another id (a prefix cache's) the owner of pages, whose
+  first owner keeps a reference; the epoch does not change. A page a prefix cache holds is freed only by the
+  cache (``kvcache/prefix.py``: never while another holder reads it).
 - ``check_integrity`` holds whenever no call is in progress.
 
 ``all_held`` is L3's fast path: one call into ``tag_check.c`` per decode step; where it says no (or is not
@@ -26,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import Counter, deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -176,6 +180,19 @@ class PageTable:
         for g in grants:
             self.holders.setdefault(g.page, {self.owner_of(g.page)}).add(sharer)
 
+    def hand_over(self, owner: int, grants: list[PageGrant], new_owner: int) -> None:
+        """``new_owner`` (a prefix cache) becomes the owner of ``owner``'s unshared pages, none of them WRITING;
+        ``owner`` keeps a reference. Epochs stay: the bytes are the ones ``owner`` computed."""
+        for g in grants:
+            self._check_owned(owner, g)
+            if g.page in self.holders or self.state[g.page] == PageState.WRITING:
+                raise PageError(f"page {g.page} is shared or being written; only a computed page of one holder "
+                                "can be handed over")
+        hi, lo = _split(new_owner)
+        for g in grants:
+            self.owner_hi[g.page], self.owner_lo[g.page] = hi, lo
+            self.holders[g.page] = {new_owner, owner}
+
     def free(self, holder: int, grants: list[PageGrant]) -> None:
         """Drop ``holder``'s hold on pages; a page whose last holder leaves goes to the back of the free queue.
         Raises on a page not held by ``holder``."""
@@ -227,8 +244,11 @@ class PageTable:
         ok &= _HELD[self.state[pages]]
         return ok
 
-    def check_integrity(self) -> None:
-        """Raise ``PageError`` unless every page is in exactly one consistent place."""
+    def check_integrity(self, cached: Mapping[int, int] | None = None, cache_owners: Collection[int] = ()) -> None:
+        """Raise ``PageError`` unless every page is in exactly one consistent place.
+
+        ``cached`` (page -> owner) names the pages a prefix cache holds, ``cache_owners`` the ids it owns pages
+        under: each cached page must be held by that owner, and no other page may be owned by a cache owner."""
         free = list(self._free)
         if len(set(free)) != len(free):
             raise PageError("a page is in the free queue twice")
@@ -248,6 +268,15 @@ class PageTable:
             raise PageError("a held page has no owner")
         if any(not held[p] or not h for p, h in self.holders.items()):
             raise PageError("a shared page is not held, or has no holder")
+        self._check_cached(held, cached or {}, cache_owners)
+
+    def _check_cached(self, held: np.ndarray, cached: Mapping[int, int], cache_owners: Collection[int]) -> None:
+        for page, owner in cached.items():
+            if not held[page] or self.owner_of(page) != owner or owner not in self.holders.get(page, {owner}):
+                raise PageError(f"cached page {page} is not held by its cache")
+        owners = set(cache_owners)
+        if owners and any(self.owner_of(p) in owners for p in np.flatnonzero(held).tolist() if p not in cached):
+            raise PageError("a page is owned by a prefix cache that does not hold it")
 
     # -- internals -----------------------------------------------------------
 

@@ -112,6 +112,7 @@ class Prefill(RequestMsg, frozen=True):
     decode: str  # the decode worker's id
     idle_pair: bool = False  # the router had no other request on this prefill or this decode worker (a hint)
     weight: float = 1.0  # the tenant's share weight: prefill computes prompts in weighted fair order
+    cache_salt: str | None = None  # with ``tenant``, the scope of prefill's prefix cache
 
 
 class Cancel(RequestMsg, frozen=True):
@@ -141,6 +142,7 @@ class Done(RequestMsg, frozen=True):
     prompt_logprobs: list[TokenLogprob] | None = None  # when the request asked for them (echo)
     more_tokens: list[int] = []
     more_logprobs: list[TokenLogprob | None] = []  # one per more_tokens, when the request asked for logprobs
+    cached_tokens: int = 0  # prompt tokens prefill read from its prefix cache (all were written, cached or not)
 
     def firsts(self) -> list[tuple[int, TokenLogprob | None]]:
         """Each choice's first token and its logprob."""
@@ -186,6 +188,7 @@ class Output(RequestMsg, frozen=True):
     prompt_logprobs: list[TokenLogprob] | None = None  # first only, when asked: prompt tokens 2..n
     index: int = 0  # the choice these tokens belong to (``n`` > 1)
     choice_finish: str | None = None  # that choice ended (``finish_reason`` ends the request, after every choice)
+    cached_tokens: int = 0  # first only: prompt tokens read from prefill's prefix cache
 
 
 class Reject(RequestMsg, frozen=True):
@@ -217,6 +220,8 @@ class Hello(Msg, frozen=True):
     cpu: str = ""  # the model's compute capabilities here (``kernels.Capabilities.summary``); "" on a GPU
     backend: str = ""  # the model's backend here (``Backend.name``: "c-amx", "torch", ...)
     prompt_tokens_computed: int = 0  # prompt positions whose K/V this worker computed since it started
+    cached_pages: int = 0  # pages its prefix cache holds (those no request reads count in free_pages too)
+    cache_evictions: int = 0  # pages its prefix cache evicted since it started
 
 
 class Peers(Msg, frozen=True):

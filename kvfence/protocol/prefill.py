@@ -130,13 +130,14 @@ class PrefillCore:
 
     def computed(self, rid: int, tokens: int, checksum: int, first_token: int,
                  first_logprob: TokenLogprob | None = None, prompt_logprobs: list[TokenLogprob] | None = None,
-                 more: list[tuple[int, TokenLogprob | None]] = ()) -> list[Action]:
-        """The runner finished: every write has landed. ``more``: the first tokens of choices 1..n-1."""
+                 more: list[tuple[int, TokenLogprob | None]] = (), cached_tokens: int = 0) -> list[Action]:
+        """The runner finished: every write has landed. ``more``: the first tokens of choices 1..n-1;
+        ``cached_tokens``: prompt tokens it read from its prefix cache rather than computed."""
         req = self.reqs.pop(rid)
         if req.state is PState.COMPUTING:
             logprobs = [lp for _, lp in more] if first_logprob is not None else []
             return [Send(req.decode, Done(rid, tokens, checksum, first_token, first_logprob, prompt_logprobs,
-                                          [t for t, _ in more], logprobs))]
+                                          [t for t, _ in more], logprobs, cached_tokens))]
         if req.state is PState.ABORTING:
             return [Send(req.decode, AbortAck(rid))]
         if req.state is PState.CANCELLING:

@@ -469,7 +469,8 @@ class RouterCore:
         params = Params.of(req.params)
         return [
             Send(decode, Admit(rid, req.tenant, req.prompt_ids, params, prefill, req.weight)),
-            Send(prefill, Prefill(rid, req.tenant, req.prompt_ids, params, decode, idle_pair, req.weight)),
+            Send(prefill, Prefill(rid, req.tenant, req.prompt_ids, params, decode, idle_pair, req.weight,
+                                  req.cache_salt)),
         ]
 
     def _output_reserve(self, req: Request) -> int:

@@ -368,7 +368,7 @@ class OpenAIServer:
         for param, ids in named.items():
             if ids:
                 self._checked_ids(list(ids), param=param)
-        return EngineRequest(job.prompt_ids, params, tenant=call.tenant, rid=call.rid)
+        return EngineRequest(job.prompt_ids, params, tenant=call.tenant, rid=call.rid, cache_salt=body.cache_salt)
 
     async def _complete(self, http: Request, gen: Generation, fmt: Format, job: Job) -> Response:
         gone = False
@@ -537,6 +537,7 @@ class Generation:
         self._started = self._token_at = time.monotonic()
         self._first_at: float | None = None  # when the first token came
         self._queue_time = 0.0
+        self._cached = 0  # prompt tokens read from the prefix cache
 
     async def next(self) -> RequestOutput:
         try:
@@ -547,6 +548,9 @@ class Generation:
         if out.queue_time is not None:
             self._queue_time = out.queue_time
             self.ledger.metrics.queued(self.request.tenant, out.queue_time)
+        if self._last is None:
+            self._cached = out.cached_tokens
+            self.ledger.metrics.prefix_cache(self.request.tenant, self.prompt_len, out.cached_tokens)
         self._time(len(out.token_ids))
         self._tokens += len(out.token_ids)
         self._last = out
@@ -558,9 +562,10 @@ class Generation:
             outs.append(await self.next())
         return outs
 
-    def usage(self) -> tuple[int, int]:
-        """(prompt_tokens, completion_tokens): the admitted prompt; the engine's completion count, else ours."""
-        return self.prompt_len, (self._last.completion_tokens if self._last else 0) or self._tokens
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt_tokens, completion_tokens, cached_tokens): the admitted prompt; the engine's completion count,
+        else ours; the prompt tokens the engine read from the prefix cache (its first output says)."""
+        return self.prompt_len, (self._last.completion_tokens if self._last else 0) or self._tokens, self._cached
 
     def succeeded(self) -> None:
         self.end = replace(self.end, status=200)

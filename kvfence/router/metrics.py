@@ -25,7 +25,8 @@ Metrics:
 - ``kvfence_preemptions_total{tenant}``: times a worker preempted a request of the tenant (counted when the
   request ends, from its last output's ``preemptions``; decode workers report them).
 - ``kvfence_kv_pages_total{worker,role}``, ``kvfence_kv_pages_in_use{worker,role}``,
-  ``kvfence_kv_pages_quarantined{worker,role}``: each worker's KV pool, from its latest heartbeat.
+  ``kvfence_kv_pages_quarantined{worker,role}``: each worker's KV pool, from its latest heartbeat (prefix-cache
+  pages no request reads count as free, as vLLM counts them: they are evicted when a grant needs them).
 - ``kvfence_kv_transfers_in_flight``: requests sent to a prefill/decode pair whose KV has not yet landed.
 - ``kvfence_prompt_tokens_computed_total{worker,role}``: prompt positions whose KV each worker computed since it
   started (from its latest heartbeat; recomputes after preemption included). The ``n`` choices of one request
@@ -35,6 +36,11 @@ vLLM's names, under ``kvfence:`` (a dashboard built for vLLM reads them as they 
 
 - ``kvfence:prompt_tokens_total{tenant}``, ``kvfence:generation_tokens_total{tenant}``: of requests that reached
   the engine, counted when they end.
+- ``kvfence:prefix_cache_queries_total{tenant}``, ``kvfence:prefix_cache_hits_total{tenant}``: prompt tokens of
+  requests that got a first output, and how many of them were read from the tenant's prefix cache.
+- ``kvfence:prefix_cache_pages{worker,role}``: pages each prefix cache holds (the colocated engine's, or a
+  prefill worker's), and ``kvfence:prefix_cache_evictions_total{worker,role}``: pages it evicted, from the latest
+  heartbeat.
 - ``kvfence:num_requests_running``, ``kvfence:num_requests_waiting``: on the workers (or the colocated engine's
   batch) now, and waiting for them (the router's queue, and the colocated engine's own).
 - ``kvfence:e2e_request_latency_seconds{tenant}``: arrival to end; ``kvfence:request_queue_time_seconds{tenant}``:
@@ -96,6 +102,10 @@ class Metrics:
         self.prompt_tokens = Counter("kvfence:prompt_tokens", "Prompt tokens of requests that reached the engine.",
                                      ["tenant"], registry=r)
         self.generation_tokens = Counter("kvfence:generation_tokens", "Tokens generated.", ["tenant"], registry=r)
+        self.cache_queries = Counter("kvfence:prefix_cache_queries", "Prompt tokens looked up in the tenant's "
+                                     "prefix cache.", ["tenant"], registry=r)
+        self.cache_hits = Counter("kvfence:prefix_cache_hits", "Prompt tokens read from the tenant's prefix cache.",
+                                  ["tenant"], registry=r)
         self.phases = {name: Histogram(f"kvfence:{name}_seconds", text, ["tenant"], buckets=LATENCY_BUCKETS,
                                        registry=r) for name, text in PHASES.items()}
         r.register(EngineCollector(engine, tenants))
@@ -119,6 +129,11 @@ class Metrics:
         self.rejections.labels(layer, error.code or error.type).inc()
         if layer in VERIFICATION_LAYERS:
             self.verification_failures.labels(layer).inc()
+
+    def prefix_cache(self, tenant: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's first output: ``cached_tokens`` of its ``prompt_tokens`` came from the prefix cache."""
+        self.cache_queries.labels(tenant).inc(prompt_tokens)
+        self.cache_hits.labels(tenant).inc(cached_tokens)
 
     def first_token(self, tenant: str, seconds: float) -> None:
         self.ttft.labels(tenant).observe(seconds)
@@ -172,6 +187,7 @@ class EngineCollector(Collector):
         for worker, role, tokens in _prompt_tokens_computed(health):
             computed.add_metric([worker, role], tokens)
         yield computed
+        yield from _prefix_caches(health, labels)
         yield GaugeMetricFamily("kvfence_kv_transfers_in_flight", "Requests whose KV transfer has not yet ended.",
                                 value=health.get("transfers_in_flight", 0))
         queued = GaugeMetricFamily("kvfence_queue_length", "Requests waiting in the router's queue for a worker.",
@@ -202,6 +218,20 @@ def _prompt_tokens_computed(health: dict) -> Iterator[tuple[str, str, int]]:
         yield LOCAL_WORKER, "colocated", health["prompt_tokens_computed"]
     for worker, info in health.get("workers", {}).items():
         yield worker, info["role"], info.get("prompt_tokens_computed", 0)
+
+
+def _prefix_caches(health: dict, labels: list[str]) -> Iterator[Metric]:
+    """Each engine's prefix cache: pages held now, pages evicted so far."""
+    pages = GaugeMetricFamily("kvfence:prefix_cache_pages", "KV pages the prefix cache holds.", labels=labels)
+    evictions = CounterMetricFamily("kvfence:prefix_cache_evictions", "KV pages the prefix cache evicted.",
+                                    labels=labels)
+    engines = [(LOCAL_WORKER, "colocated", health)] if "cached_pages" in health else []
+    engines += [(worker, info["role"], info) for worker, info in health.get("workers", {}).items()
+                if info["role"] == "prefill"]
+    for worker, role, info in engines:
+        pages.add_metric([worker, role], info.get("cached_pages", 0))
+        evictions.add_metric([worker, role], info.get("cache_evictions", 0))
+    yield from (pages, evictions)
 
 
 def _pools(health: dict) -> Iterator[tuple[str, str, tuple[int, int, int]]]:

@@ -104,7 +104,8 @@ class RemoteEngine:
                 "running": h.running, "pool_tokens": h.pool_tokens, "max_context": h.max_context,
                 "drained": h.worker in self.core.drained, "suspected": h.worker in self.core.suspected,
                 "epoch": self.core.epochs.get(h.worker, 0), "cpu": h.cpu, "backend": h.backend,
-                "prompt_tokens_computed": h.prompt_tokens_computed}
+                "prompt_tokens_computed": h.prompt_tokens_computed, "cached_pages": h.cached_pages,
+                "cache_evictions": h.cache_evictions}
 
     # -- admin ----------------------------------------------------------------------
 
@@ -237,5 +238,6 @@ def _to_output(action: Deliver) -> RequestOutput:
     return RequestOutput(action.rid, o.token_ids, o.text, finish, prompt_tokens=o.prompt_tokens,
                          completion_tokens=o.completion_tokens, pages=o.pages, verification=o.verification,
                          preemptions=o.preemptions, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs,
-                         index=o.index, choice_finish=FinishReason(o.choice_finish) if o.choice_finish else finish)
+                         index=o.index, choice_finish=FinishReason(o.choice_finish) if o.choice_finish else finish,
+                         cached_tokens=o.cached_tokens)
 

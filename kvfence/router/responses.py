@@ -25,7 +25,7 @@ def sse(event: dict) -> bytes:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage object; ``cached_tokens`` (prompt tokens served from a prefix cache) is 0 until one exists."""
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens read from the tenant's prefix cache, not computed."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -75,10 +75,11 @@ class Format:
         prefix = "chatcmpl-" if chat else "cmpl-"
         return cls(chat, f"{prefix}{rid:032x}", created, model, include_usage, token_bytes)
 
-    def completion(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    def completion(self, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                   cached_tokens: int = 0) -> dict:
         """The whole (non-streaming) response, from ``choice``'s dicts; usage counts the prompt once."""
         obj = "chat.completion" if self.chat else "text_completion"
-        return self._envelope(obj, choices) | {"usage": usage(prompt_tokens, completion_tokens)}
+        return self._envelope(obj, choices) | {"usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def choice(self, index: int, text: str | None, finish: FinishReason, tokens: Tokens = NO_TOKENS,
                calls: Sequence[ToolCall] = ()) -> dict:
@@ -108,9 +109,10 @@ class Format:
     def finish(self, finish: FinishReason, index: int = 0) -> dict:
         return self._chunk({} if self.chat else "", finish.value, index=index)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The last chunk when ``stream_options.include_usage``: no choices, only usage."""
-        return self._envelope(self._chunk_object, []) | {"usage": usage(prompt_tokens, completion_tokens)}
+        return self._envelope(self._chunk_object, []) | {"usage": usage(prompt_tokens, completion_tokens,
+                                                                         cached_tokens)}
 
     @property
     def _chunk_object(self) -> str:

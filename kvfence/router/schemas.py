@@ -209,6 +209,7 @@ class GenerateBody(BaseModel):
     min_tokens: int | None = Field(None, ge=0, le=_INT32_MAX)  # extension
     min_p: Number | None = Field(None, ge=0, le=1)  # extension
     stop_token_ids: list[Annotated[int, Field(ge=0, le=_INT32_MAX)]] | None = Field(None, max_length=256)  # extension
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # extension (vLLM's): scopes the prefix cache
     best_of: int | None = None
     store: bool | None = None
     service_tier: str | None = None

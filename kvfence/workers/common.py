@@ -83,7 +83,7 @@ class WorkerBase:
         s = self.settings
         return EngineConfig(max_context=s.max_context, kv_pool_tokens=pool_tokens, page_size=s.page_size,
                             max_batch=s.max_batch, chunk_size=s.chunk_size, step_tokens=s.step_tokens,
-                            fair=s.scheduling == "fair")
+                            fair=s.scheduling == "fair", prefix_caching=s.prefix_caching)
 
     def set_threads(self, other_role_idle: bool) -> None:
         """With ``solo_threads``, the worker computes on that many threads while the other role idles, else on its

@@ -59,7 +59,7 @@ class DecodeWorker(WorkerBase):
         sched, pages = self._engine.scheduler, self._engine.pages
         data = {**self.target.descriptor(), "kv_pages": pages.num_pages}  # prefill needs it to place tags
         return Hello(self.me, self.role, self.me, data, self.settings.pool_tokens,
-                     self.settings.max_context, free_pages=pages.num_free,
+                     self.settings.max_context, free_pages=self._engine.free_pages,
                      queued_tokens=len(self.core.waiting), running=len(sched.running), pid=os.getpid(),
                      quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(), total_pages=pages.num_pages, cpu=self.cpu,
@@ -92,7 +92,8 @@ class DecodeWorker(WorkerBase):
             req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid, weight=a.weight)
             self._engine.pool.from_host([g.page for g in action.grants])  # verified: what landed is what decodes
             done = action.done
-            outs = self._engine.add_prefilled(req, action.grants, done.firsts(), done.prompt_logprobs)
+            outs = self._engine.add_prefilled(req, action.grants, done.firsts(), done.prompt_logprobs,
+                                              done.cached_tokens)
             return [a for out in outs for a in self.core.engine_output(self.to_message(out), now)]
         if isinstance(action, StopDecode):
             self._engine.abort(action.rid)
@@ -128,5 +129,6 @@ class DecodeWorker(WorkerBase):
         choice_finish = out.choice_finish.value if isinstance(out.choice_finish, FinishReason) else None
         return Output(out.rid, out.token_ids, out.text, finish, out.prompt_tokens, out.completion_tokens,
                       out.pages, verification, out.preemptions, logprobs=out.logprobs,
-                      prompt_logprobs=out.prompt_logprobs, index=out.index, choice_finish=choice_finish)
+                      prompt_logprobs=out.prompt_logprobs, index=out.index, choice_finish=choice_finish,
+                      cached_tokens=out.cached_tokens)
 

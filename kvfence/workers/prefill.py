@@ -4,6 +4,11 @@ One thread owns everything: the ZeroMQ channel, the protocol core, and a
 ``PrefillRunner`` (the engine, computing into this worker's own pool and
 shipping each page to decode as soon as its tokens are computed, so
 transfers overlap the next chunk's compute).
+
+The prefix cache lives here, in this worker's own pool: a hit skips computing
+those tokens, but every page of the prompt, cached or computed, is still
+written into decode's pages with its tag, so decode verifies exactly what it
+verifies without the cache.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Shipment:
     futures: list[Future] = field(default_factory=list)
     firsts: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # each choice's first token
     prompt_logprobs: list[TokenLogprob] | None = None
+    cached: int = 0  # prompt tokens read from the prefix cache
     stopped: bool = False
 
     def drained(self) -> bool:
@@ -53,7 +59,9 @@ class Shipment:
 class PrefillRunner(Engine):
     """An engine that stops each request after its first token and ships its pages instead of decoding.
 
-    A request's local pages stay held until every write reading them has finished.
+    A request's local pages stay held until every write reading them has finished. A page's tag record is
+    staged in its own tag slot before it ships; a cached page shipped for several requests at once has one slot,
+    so a shipment waits until the previous one that staged a record there has finished.
     """
 
     decodes = False
@@ -64,6 +72,7 @@ class PrefillRunner(Engine):
         self.shipments: dict[int, Shipment] = {}
         self.draining: dict[int, Sequence] = {}
         self.progressed: dict[int, int] = {}  # rid -> prompt tokens computed, for prompts that advanced this step
+        self.staged: dict[int, Future] = {}  # local page -> the latest write whose tag record was staged in its slot
 
     @property
     def token_limit(self) -> int:
@@ -112,7 +121,7 @@ class PrefillRunner(Engine):
     def _fork(self, seq: Sequence, firsts: list[tuple[int, TokenLogprob | None]]) -> list:
         """The prompt is computed and every choice has its first token: ship the last page; decode forks."""
         ship = self.shipments[seq.rid]
-        ship.firsts = firsts
+        ship.firsts, ship.cached = firsts, seq.cached
         if seq.req.params.prompt_logprobs is not None:
             ship.prompt_logprobs = self.trackers[seq.rid].prompt_logprobs
         self._ship(seq, final=True)
@@ -136,7 +145,9 @@ class PrefillRunner(Engine):
             return
         region, layout = self.pool.region, self.pool.layout
         counts = tokens_per_page(n, ps, len(seq.grants))
-        self.pool.to_host([g.page for g in seq.grants[ship.shipped : upto]])
+        pages = [g.page for g in seq.grants[ship.shipped : upto]]
+        wait([self.staged[p] for p in pages if p in self.staged])
+        self.pool.to_host(pages)
         segments: list[Segment] = []
         for i in range(ship.shipped, upto):
             src = seq.grants[i].page
@@ -148,7 +159,9 @@ class PrefillRunner(Engine):
             segments += [(layout.page_offset(src), ship.dest.page_offset(dst), tokens * layout.token_bytes),
                          (layout.tag_offset(src), ship.dest.tag_offset(dst), TAG_BYTES)]
         ship.shipped = upto
-        ship.futures.append(self.initiator.submit(ship.peer, _merge(segments)))
+        future = self.initiator.submit(ship.peer, _merge(segments))
+        ship.futures.append(future)
+        self.staged.update(dict.fromkeys(pages, future))
 
 
 def _merge(segments: list[Segment]) -> list[Segment]:
@@ -192,13 +205,14 @@ class PrefillWorker(WorkerBase):
     def hello(self) -> Hello:
         sched = self.runner.scheduler
         queued = sum(s.req.prompt_len - s.num_computed for s in (*sched.waiting, *sched.running))
-        pages = self.runner.pages
+        pages, cache = self.runner.pages, self.runner.cache
         return Hello(self.me, self.role, self.me, {"peers": self.peers_digest}, self.settings.pool_tokens,
-                     self.settings.max_context, free_pages=pages.num_free, queued_tokens=queued,
+                     self.settings.max_context, free_pages=self.runner.free_pages, queued_tokens=queued,
                      running=len(sched.running), pid=os.getpid(), quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(),
                      total_pages=pages.num_pages, cpu=self.cpu,
-                     backend=self.backend, prompt_tokens_computed=self.runner.prompt_tokens_computed)
+                     backend=self.backend, prompt_tokens_computed=self.runner.prompt_tokens_computed,
+                     cached_pages=len(cache.entries) if cache else 0, cache_evictions=cache.evictions if cache else 0)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, Peers):
@@ -234,7 +248,7 @@ class PrefillWorker(WorkerBase):
             else:
                 (first, logprob), *more = ship.firsts or [(0, None)]
                 actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), first, logprob,
-                                             ship.prompt_logprobs, more)
+                                             ship.prompt_logprobs, more, ship.cached)
         if actions and not self.runner.draining:  # a shipment ended and none is in flight: the pages of decode's
             self.initiator.trim()  # pool this process wrote stop counting in its RSS (the next write faults them back:
             # ~1 ms per 5 MB, under 1% of the prefill that wrote them)
@@ -264,7 +278,7 @@ class PrefillWorker(WorkerBase):
     def _start(self, start: StartPrefill) -> list[Action]:
         req = self.core.reqs[start.rid].msg
         request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid,
-                          weight=req.weight)
+                          weight=req.weight, cache_salt=req.cache_salt)
         try:
             descriptor = self.decodes[start.decode]
             dest = dest_layout(self.runner.pool.layout, descriptor)

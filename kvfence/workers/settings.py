@@ -34,6 +34,7 @@ class WorkerSettings:
     handoff_timeout: float = 30.0  # a handoff (pages granted -> Done) may go this long without progress
     scheduling: str = "fair"  # "fair": tenants' fair share orders the work; "fcfs": arrival order
     cluster_key: ClusterKey | None = None  # membership (cluster.py); crosses the spawn in the pickle, never on disk
+    prefix_caching: bool = True  # prefill: reuse prompt prefixes' KV within a tenant (decode never caches)
 
     @property
     def wait_timeout(self) -> float:
