@@ -16,6 +16,11 @@ from kvfence.tools.probe import (
     EXIT_CLEAN,
     EXIT_FINDINGS,
     EXIT_INCONCLUSIVE,
+    ISOLATED,
+    LEAK,
+    NO_CACHE,
+    NOT_MEASURED,
+    UNCLEAR,
     Canary,
     Exchange,
     Limits,
@@ -24,6 +29,7 @@ from kvfence.tools.probe import (
     Tenant,
     attack_targets,
     attack_text,
+    cached_tokens,
     canary_prompt,
     classify,
     document_chars_for,
@@ -33,6 +39,12 @@ from kvfence.tools.probe import (
     must_reject,
     new_canary,
     render_table,
+    report_json,
+    sse_event,
+    timing_prefix,
+    timing_prefix_tokens,
+    timing_prompt,
+    timing_verdict,
     victim_document,
     victim_sizes,
 )
@@ -211,6 +223,146 @@ def test_report_table_and_exit_codes():
     assert report_of([]).exit_code == EXIT_CLEAN and "OK:" in render_table(report_of([]))
     assert report_of([], "no pair").exit_code == EXIT_INCONCLUSIVE
     assert "CANNOT CONCLUDE: no pair" in render_table(report_of([], "no pair"))
+
+
+# -- timing: a prefix cache shared across keys ---------------------------------------------------------------
+
+
+def test_timing_prefix_is_1500_tokens_where_the_limits_leave_room_for_it_and_the_question():
+    assert timing_prefix_tokens(Limits(4096)) == 1500
+    assert timing_prefix_tokens(Limits(None)) == 1500
+    assert timing_prefix_tokens(INCIDENT) == 1024 - 48  # the prefill pool holds the prompt alone
+    assert timing_prefix_tokens(Limits(1000)) == 1000 - 4 - 48  # the context holds prompt + 4 output tokens
+
+
+def test_timing_prefixes_differ_from_their_first_word_after_the_tag_and_all_through():
+    rng = random.Random(3)
+    a, b = timing_prefix("12345678", 200, rng), timing_prefix("87654321", 200, rng)
+    assert a.startswith("Archive 12345678. ") and len(a.split()) == 202
+    assert a.split()[2:] != b.split()[2:]  # the bodies differ too, not only the tags
+    assert timing_prompt(a, "Why?") == a + "\n\nWhy?"
+
+
+def test_a_cache_shared_across_keys_is_a_leak():
+    t = timing_verdict([1.6, 1.7, 1.68], [0.4, 0.38, 0.41], [0.40, 0.42, 0.39])
+    assert t.verdict == LEAK and t.rounds == 3 and (t.cold, t.same_key, t.cross_key) == (1.68, 0.4, 0.4)
+    assert "cross-key 0.400 s, same-key 0.400 s, cold 1.680 s (medians of 3" in t.why
+
+
+def test_a_cache_per_key_is_isolated_and_no_cache_is_no_cache():
+    assert timing_verdict([1.6, 1.7, 1.68], [0.4, 0.38, 0.41], [1.65, 1.62, 1.7]).verdict == ISOLATED
+    assert timing_verdict([1.6, 1.7, 1.68], [1.66, 1.58, 1.71], [1.65, 1.62, 1.7]).verdict == NO_CACHE
+    # partly faster is not "markedly": 0.7 x cold
+    assert timing_verdict([1.0, 1.0, 1.0], [0.3, 0.3, 0.3], [0.7, 0.7, 0.7]).verdict == ISOLATED
+
+
+def test_one_noisy_round_does_not_decide_medians_do():
+    cold = [1.6, 0.3, 1.7]  # one cold request ran on a quiet moment...
+    cross = [1.65, 1.62, 0.2]  # ...and one cross-key request too
+    assert timing_verdict(cold, [0.4, 0.38, 0.41], cross).verdict == ISOLATED
+
+
+def test_fast_cross_key_with_a_slow_owner_repeat_is_unclear_not_a_leak():
+    t = timing_verdict([1.6, 1.7, 1.68], [1.6, 1.62, 1.7], [0.4, 0.42, 0.39])
+    assert t.verdict == UNCLEAR and "--timing-rounds" in t.why
+
+
+def test_differences_under_the_gap_are_noise_even_when_the_ratio_holds():
+    assert timing_verdict([0.010, 0.012, 0.011], [0.002] * 3, [0.002] * 3).verdict == NO_CACHE
+
+
+def test_the_servers_own_cached_tokens_across_keys_are_a_leak_whatever_the_times():
+    t = timing_verdict([1.0, 1.0], [0.9, 0.9], [0.95, 0.95], [1408, 1408], 1530)
+    assert t.verdict == LEAK and "the server reports 1408 of its 1530 prompt tokens cached" in t.why
+    assert timing_verdict([1.0, 1.0], [0.9, 0.9], [0.95, 0.95], [16, 16], 1530).verdict == NO_CACHE
+
+
+def test_too_few_answers_are_not_measured():
+    assert timing_verdict([1.0], [0.3], [0.3]).verdict == NOT_MEASURED
+    assert timing_verdict([], [], []).cold is None
+
+
+def test_sse_events_give_content_and_usage():
+    assert sse_event('data: {"choices":[{"delta":{"role":"assistant","content":""}}]}') == ("", None)
+    assert sse_event('data: {"choices":[{"delta":{"content":"Hi"}}]}') == ("Hi", None)
+    usage = {"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 8}}
+    assert sse_event("data: " + json.dumps({"choices": [], "usage": usage})) == ("", usage)
+    assert sse_event("data: [DONE]") == ("", None) and sse_event(": keep-alive") == ("", None)
+    assert cached_tokens(usage) == 8 and cached_tokens({"prompt_tokens_details": None}) is None
+    assert cached_tokens(None) is None
+
+
+def test_the_report_shows_the_timing_table_and_a_timing_finding():
+    from kvfence.tools.probe import Finding
+
+    t = timing_verdict([1.6, 1.7, 1.68], [0.4, 0.38, 0.41], [0.40, 0.42, 0.39], prompt_tokens=1530)
+    finding = Finding("timing", "key2", ("key1",), 9, "round 1: victim's prefix (cross key)", 200, t.why)
+    report = report_of([finding])
+    report.timing = t
+    table = render_table(report)
+    assert "probe: timing (1530-token prompts, 3 rounds): TTFT median, s" in table
+    assert "cold (fresh prefix)         1.680" in table and "cross key (owner's prefix)  0.400" in table
+    assert f"probe: timing verdict: {LEAK}:" in table and "FINDINGS: 1 timing" in table
+    assert report.exit_code == EXIT_FINDINGS
+    assert json.loads(report_json(report))["timing"]["verdict"] == LEAK
+    clean = report_of([])
+    clean.timing = timing_verdict([1.6, 1.7], [1.6, 1.7], [1.6, 1.7])
+    assert "OK: no leak, no wrong status, no incoherence, no cache shared across keys found" in render_table(clean)
+    assert json.loads(report_json(report_of([])))["timing"] is None
+
+
+def fake_cache_server(scope: str | None, cold: float = 0.15, hit: float = 0.01):
+    """An OpenAI-compatible mock whose TTFT is ``hit`` for a prompt whose first 40 characters it saw before
+    (``scope``: "global" shares what it saw across keys, "key" per key; ``None``: no cache), else ``cold``."""
+    import asyncio
+
+    import httpx
+
+    seen: set[tuple[str, str]] = set()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "max_model_len": 4096}]})
+        body = json.loads(request.content)
+        prompt = body["messages"][0]["content"]
+        key = "" if scope == "global" else request.headers["authorization"]
+        hit_now = scope is not None and (key, prompt[:40]) in seen
+        seen.add((key, prompt[:40]))
+        await asyncio.sleep(hit if hit_now else cold)
+        tokens = len(prompt.split()) + 30
+        usage = {"prompt_tokens": tokens, "completion_tokens": 1,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        events = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                  {"choices": [{"delta": {"content": "Sea"}}]}, {"choices": [], "usage": usage}]
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+    return handler
+
+
+@pytest.mark.parametrize(("scope", "verdict"), [("global", LEAK), ("key", ISOLATED), (None, NO_CACHE)])
+def test_the_timing_phase_tells_a_shared_cache_from_one_per_key_and_from_none(scope, verdict):
+    import asyncio
+
+    import httpx
+
+    from kvfence.tools.probe import Prober, Settings
+
+    async def run():
+        settings = Settings("http://probe.test", [Tenant("key1", "a"), Tenant("key2", "b")], "m", None, 30, 60.0,
+                            2, 10.0, 8, None, 1, None, 3)
+        transport = httpx.MockTransport(fake_cache_server(scope))
+        async with httpx.AsyncClient(base_url=settings.url, transport=transport) as client:
+            return await Prober(settings, client, open("/dev/null", "w")).timing(Limits(4096), 3)
+
+    timing, finding = asyncio.run(run())
+    assert timing.verdict == verdict, timing
+    assert timing.rounds == 3 and timing.cross_cached == 0
+    if verdict == LEAK:
+        assert (finding.kind, finding.receiver, finding.victims) == ("timing", "key2", ("key1",))
+        assert "cross key" in finding.label
+    else:
+        assert finding is None
 
 
 # -- against real servers (slow) ---------------------------------------------------------------------------------
