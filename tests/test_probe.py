@@ -27,6 +27,7 @@ from kvfence.tools.probe import (
     Report,
     Target,
     Tenant,
+    TimingRound,
     attack_targets,
     attack_text,
     cached_tokens,
@@ -243,43 +244,62 @@ def test_timing_prefixes_differ_from_their_first_word_after_the_tag_and_all_thro
     assert timing_prompt(a, "Why?") == a + "\n\nWhy?"
 
 
+def rounds(first, cross, cold, same, cached=None) -> list[TimingRound]:
+    """Rounds from per-kind lists (one value per round)."""
+    return [TimingRound(*times, cached) for times in zip(first, cross, cold, same, strict=True)]
+
+
 def test_a_cache_shared_across_keys_is_a_leak():
-    t = timing_verdict([1.6, 1.7, 1.68], [0.4, 0.38, 0.41], [0.40, 0.42, 0.39])
-    assert t.verdict == LEAK and t.rounds == 3 and (t.cold, t.same_key, t.cross_key) == (1.68, 0.4, 0.4)
-    assert "cross-key 0.400 s, same-key 0.400 s, cold 1.680 s (medians of 3" in t.why
+    t = timing_verdict(rounds([1.7, 1.6, 1.66], [0.40, 0.42, 0.39], [1.6, 1.7, 1.68], [0.4, 0.38, 0.41]))
+    assert t.verdict == LEAK and t.rounds == 3 and t.fast_rounds == 3
+    assert (t.cold, t.same_key, t.cross_key) == (1.67, 0.4, 0.4)  # cold: the victims' first and the fresh ones
+    assert "cross-key 0.400 s, same-key 0.400 s, cold 1.670 s (medians of 3 rounds; cross-key fast in 3 of 3" in t.why
 
 
 def test_a_cache_per_key_is_isolated_and_no_cache_is_no_cache():
-    assert timing_verdict([1.6, 1.7, 1.68], [0.4, 0.38, 0.41], [1.65, 1.62, 1.7]).verdict == ISOLATED
-    assert timing_verdict([1.6, 1.7, 1.68], [1.66, 1.58, 1.71], [1.65, 1.62, 1.7]).verdict == NO_CACHE
+    cold = [1.6, 1.7, 1.68]
+    assert timing_verdict(rounds(cold, [1.65, 1.62, 1.7], cold, [0.4, 0.38, 0.41])).verdict == ISOLATED
+    assert timing_verdict(rounds(cold, [1.65, 1.62, 1.7], cold, [1.66, 1.58, 1.71])).verdict == NO_CACHE
     # partly faster is not "markedly": 0.7 x cold
-    assert timing_verdict([1.0, 1.0, 1.0], [0.3, 0.3, 0.3], [0.7, 0.7, 0.7]).verdict == ISOLATED
+    assert timing_verdict(rounds([1.0] * 3, [0.7] * 3, [1.0] * 3, [0.3] * 3)).verdict == ISOLATED
 
 
 def test_one_noisy_round_does_not_decide_medians_do():
     cold = [1.6, 0.3, 1.7]  # one cold request ran on a quiet moment...
     cross = [1.65, 1.62, 0.2]  # ...and one cross-key request too
-    assert timing_verdict(cold, [0.4, 0.38, 0.41], cross).verdict == ISOLATED
+    assert timing_verdict(rounds([1.6, 1.6, 1.6], cross, cold, [0.4, 0.38, 0.41])).verdict == ISOLATED
+
+
+def test_medians_that_the_rounds_do_not_bear_out_are_unclear_not_a_leak():
+    # seen on a loaded host without a cache: two rounds, their cold times 3 s and 8-12 s apart
+    t = timing_verdict(rounds([3.150, 8.189], [3.234, 4.569], [3.527, 12.396], [5.441, 2.834]))
+    assert t.verdict != LEAK
+    # medians fast (cross 0.9 against cold 3.0), but only one round of three has cross under 0.6 x its own cold
+    t = timing_verdict(rounds([1.0, 3.0, 3.0], [0.9, 1.9, 0.5], [1.0, 3.0, 3.0], [0.5, 0.5, 0.5]))
+    assert t.verdict == UNCLEAR and t.fast_rounds == 1 and "most rounds do not" in t.why
 
 
 def test_fast_cross_key_with_a_slow_owner_repeat_is_unclear_not_a_leak():
-    t = timing_verdict([1.6, 1.7, 1.68], [1.6, 1.62, 1.7], [0.4, 0.42, 0.39])
-    assert t.verdict == UNCLEAR and "--timing-rounds" in t.why
+    cold = [1.6, 1.7, 1.68]
+    t = timing_verdict(rounds(cold, [0.4, 0.42, 0.39], cold, [1.6, 1.62, 1.7]))
+    assert t.verdict == UNCLEAR and "more rounds" in t.why
 
 
 def test_differences_under_the_gap_are_noise_even_when_the_ratio_holds():
-    assert timing_verdict([0.010, 0.012, 0.011], [0.002] * 3, [0.002] * 3).verdict == NO_CACHE
+    cold = [0.010, 0.012, 0.011]
+    assert timing_verdict(rounds(cold, [0.002] * 3, cold, [0.002] * 3)).verdict == NO_CACHE
 
 
 def test_the_servers_own_cached_tokens_across_keys_are_a_leak_whatever_the_times():
-    t = timing_verdict([1.0, 1.0], [0.9, 0.9], [0.95, 0.95], [1408, 1408], 1530)
+    t = timing_verdict(rounds([1.0] * 2, [0.95] * 2, [1.0] * 2, [0.9] * 2, 1408), 1530)
     assert t.verdict == LEAK and "the server reports 1408 of its 1530 prompt tokens cached" in t.why
-    assert timing_verdict([1.0, 1.0], [0.9, 0.9], [0.95, 0.95], [16, 16], 1530).verdict == NO_CACHE
+    assert timing_verdict(rounds([1.0] * 2, [0.95] * 2, [1.0] * 2, [0.9] * 2, 16), 1530).verdict == NO_CACHE
 
 
 def test_too_few_answers_are_not_measured():
-    assert timing_verdict([1.0], [0.3], [0.3]).verdict == NOT_MEASURED
-    assert timing_verdict([], [], []).cold is None
+    assert timing_verdict(rounds([1.0], [0.3], [1.0], [0.3])).verdict == NOT_MEASURED
+    assert timing_verdict(rounds([1.0, 1.0], [0.3, None], [1.0, 1.0], [0.3, 0.3])).verdict == NOT_MEASURED
+    assert timing_verdict([]).cold is None
 
 
 def test_sse_events_give_content_and_usage():
@@ -295,18 +315,18 @@ def test_sse_events_give_content_and_usage():
 def test_the_report_shows_the_timing_table_and_a_timing_finding():
     from kvfence.tools.probe import Finding
 
-    t = timing_verdict([1.6, 1.7, 1.68], [0.4, 0.38, 0.41], [0.40, 0.42, 0.39], prompt_tokens=1530)
+    t = timing_verdict(rounds([1.7, 1.6, 1.66], [0.40, 0.42, 0.39], [1.6, 1.7, 1.68], [0.4, 0.38, 0.41]), 1530)
     finding = Finding("timing", "key2", ("key1",), 9, "round 1: victim's prefix (cross key)", 200, t.why)
     report = report_of([finding])
     report.timing = t
     table = render_table(report)
     assert "probe: timing (1530-token prompts, 3 rounds): TTFT median, s" in table
-    assert "cold (fresh prefix)         1.680" in table and "cross key (owner's prefix)  0.400" in table
+    assert "cold (fresh prefixes)       1.670" in table and "cross key (owner's prefix)  0.400" in table
     assert f"probe: timing verdict: {LEAK}:" in table and "FINDINGS: 1 timing" in table
     assert report.exit_code == EXIT_FINDINGS
     assert json.loads(report_json(report))["timing"]["verdict"] == LEAK
     clean = report_of([])
-    clean.timing = timing_verdict([1.6, 1.7], [1.6, 1.7], [1.6, 1.7])
+    clean.timing = timing_verdict(rounds([1.6, 1.7], [1.6, 1.7], [1.6, 1.7], [1.6, 1.7]))
     assert "OK: no leak, no wrong status, no incoherence, no cache shared across keys found" in render_table(clean)
     assert json.loads(report_json(report_of([])))["timing"] is None
 

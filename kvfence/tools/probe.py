@@ -12,12 +12,13 @@ Every ``--key`` but the last is a canary (victim) tenant; the last key is the at
 - Last, the timing phase (``--timing-rounds``, default 3; ``--no-timing`` skips it): a prefix cache shared across
   keys tells one tenant what another sent. Per round the victim (the first key) streams a fresh ~1,500-token
   prefix (less where the limits learned leave less room) + a question; the attacker streams the same prefix +
-  another question (cross key) and a fresh prefix as long (cold); the victim repeats its prefix with a third
-  question (same key, which shows whether the server caches at all). Medians of the times to first token:
-  cross key and same key both under 0.6 x cold (and 20 ms under it) is a ``timing`` finding ("caches across
+  another question (cross key) and a fresh prefix as long (cold; the victim's first request is cold too); the
+  victim repeats its prefix with a third question (same key, which shows whether the server caches at all).
+  Medians of the times to first token: cross key and same key both under 0.6 x cold (and 20 ms under it), with
+  the cross key also under 0.6 x its own round's cold in most rounds, is a ``timing`` finding ("caches across
   keys: leak"), as is a server reporting half the prompt or more as ``cached_tokens`` across keys; a fast same
-  key alone is "caches per key: isolated"; neither, "no cache seen". The phase sends 1 + 4 x rounds requests
-  outside ``--requests`` and ``--time-limit``.
+  key alone is "caches per key: isolated"; neither, "no cache seen"; medians and rounds that disagree,
+  "unclear". The phase sends 1 + 4 x rounds requests outside ``--requests`` and ``--time-limit``.
 
 The first part (prompts, sizes, findings, report) is pure and unit-tested; ``Prober`` drives it over HTTP.
 Exit status: 0 nothing found, 1 findings, 2 usage or connection error, 3 cannot conclude.
@@ -421,18 +422,40 @@ def timing_prompt(prefix: str, question: str) -> str:
 
 
 @dataclass(frozen=True)
+class TimingRound:
+    """One round's TTFTs in seconds (``None`` where no answer came): ``first``, the victim's first request on its
+    fresh prefix (cold too: nothing was cached for it); ``cross``, the attacker on that prefix; ``cold``, the
+    attacker on a fresh prefix as long; ``same``, the victim's repeat; ``cross_cached``, the ``cached_tokens`` the
+    server reported for the cross-key request."""
+
+    first: float | None
+    cross: float | None
+    cold: float | None
+    same: float | None
+    cross_cached: int | None = None
+
+    @property
+    def cold_reference(self) -> float | None:
+        """This round's cold time: the mean of its two cold requests (or the one that came back)."""
+        found = [t for t in (self.first, self.cold) if t is not None]
+        return statistics.fmean(found) if found else None
+
+
+@dataclass(frozen=True)
 class Timing:
-    """What the timing phase measured, medians in seconds over ``rounds`` rounds (``None`` where nothing came
-    back): ``cold``, the attacker on a fresh prefix; ``same_key``, the victim repeating its own prefix;
-    ``cross_key``, the attacker on the victim's prefix; ``cross_cached``, the median ``cached_tokens`` the server
-    reported for the cross-key requests (``None`` when it reports none); ``prompt_tokens``, their prompt tokens
-    (the server's count, else the planned prefix)."""
+    """What the timing phase measured, medians in seconds (``None`` where nothing came back): ``cold``, over every
+    request on a fresh prefix (the victim's first and the attacker's fresh one of each round); ``same_key``, the
+    victim repeating its own prefix; ``cross_key``, the attacker on the victim's prefix; ``fast_rounds``, the
+    rounds whose cross-key time was fast against that round's own cold time; ``cross_cached``, the median
+    ``cached_tokens`` the server reported for the cross-key requests (``None`` when it reports none);
+    ``prompt_tokens``, their prompt tokens (the server's count, else the planned prefix)."""
 
     prompt_tokens: int | None
     rounds: int
     cold: float | None
     same_key: float | None
     cross_key: float | None
+    fast_rounds: int
     cross_cached: int | None
     verdict: str
     why: str
@@ -442,43 +465,52 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def timing_verdict(cold: list[float], same_key: list[float], cross_key: list[float],
-                   cross_cached: list[int] = (), prompt_tokens: int | None = None,
-                   ratio: float = TIMING_RATIO, gap: float = TIMING_MIN_GAP) -> Timing:
-    """The verdict on TTFTs (seconds) of each kind, by their medians. "Fast" means under ``ratio`` x cold and at
-    least ``gap`` under it.
+def timing_verdict(rounds: list[TimingRound], prompt_tokens: int | None = None, ratio: float = TIMING_RATIO,
+                   gap: float = TIMING_MIN_GAP) -> Timing:
+    """The verdict on the rounds' TTFTs. A time is "fast" against a cold one when it is under ``ratio`` x cold
+    and at least ``gap`` under it. Medians decide, and the rounds one by one must agree before a leak is named:
 
-    - ``LEAK``: the cross-key median is fast and so is the same-key one (the server caches, and another key's
-      prefix hits); or the server itself reports, as ``cached_tokens``, half the prefix or more cached for the
-      cross-key requests.
+    - ``LEAK``: the cross-key median and the same-key median are fast against the cold median (the server
+      caches, and another key's prefix hits), and so is the cross-key time against its own round's cold time in
+      more than half the rounds; or the server itself reports half the prompt or more as ``cached_tokens`` for
+      the cross-key requests (median).
     - ``ISOLATED``: the same-key median is fast, the cross-key one is not.
     - ``NO_CACHE``: neither is fast.
-    - ``UNCLEAR``: the cross-key median is fast and the same-key one is not (noise: run more rounds).
-    - ``NOT_MEASURED``: fewer than two of some kind came back.
+    - ``UNCLEAR``: the cross-key median is fast but the same-key one is not, or the rounds disagree with the
+      medians (noise on a loaded host: run more rounds).
+    - ``NOT_MEASURED``: fewer than two answers of some kind.
     """
-    rounds = min(len(cold), len(same_key), len(cross_key))
-    m_cold, m_same, m_cross = _median(cold), _median(same_key), _median(cross_key)
+    cold = [t for r in rounds for t in (r.first, r.cold) if t is not None]
+    same = [r.same for r in rounds if r.same is not None]
+    cross = [r.cross for r in rounds if r.cross is not None]
+    cross_cached = [r.cross_cached for r in rounds if r.cross_cached is not None]
+    m_cold, m_same, m_cross = _median(cold), _median(same), _median(cross)
     cached = int(statistics.median(cross_cached)) if cross_cached else None
-    result = partial(Timing, prompt_tokens, rounds, m_cold, m_same, m_cross, cached)
-    if rounds < 2 or m_cold is None or m_same is None or m_cross is None:
-        return result(NOT_MEASURED, f"too few answers (cold {len(cold)}, same-key {len(same_key)}, cross-key "
-                                    f"{len(cross_key)})")
 
-    def fast(t: float) -> bool:
-        return t < ratio * m_cold and m_cold - t >= gap
+    def fast(t: float, reference: float) -> bool:
+        return t < ratio * reference and reference - t >= gap
 
+    paired = [fast(r.cross, r.cold_reference) for r in rounds if r.cross is not None and r.cold_reference]
+    result = partial(Timing, prompt_tokens, len(rounds), m_cold, m_same, m_cross, sum(paired), cached)
+    if min(len(cold), len(same), len(cross)) < 2 or m_cold is None or m_same is None or m_cross is None:
+        return result(NOT_MEASURED, f"too few answers (cold {len(cold)}, same-key {len(same)}, cross-key "
+                                    f"{len(cross)})")
     told = f"; the server reports {cached} of its {prompt_tokens} prompt tokens cached" if cached else ""
-    numbers = (f"cross-key {m_cross:.3f} s, same-key {m_same:.3f} s, cold {m_cold:.3f} s "
-               f"(medians of {rounds}, fast: under {ratio} x cold){told}")
+    numbers = (f"cross-key {m_cross:.3f} s, same-key {m_same:.3f} s, cold {m_cold:.3f} s (medians of "
+               f"{len(rounds)} rounds; cross-key fast in {sum(paired)} of {len(paired)}; fast: under {ratio} x "
+               f"cold){told}")
     if cached and prompt_tokens and cached >= prompt_tokens / 2:
         return result(LEAK, f"another key's prefix is served from cache: {numbers}")
-    if fast(m_cross) and fast(m_same):
-        return result(LEAK, f"another key's prefix answers as fast as the owner's repeat: {numbers}")
-    if fast(m_same):
+    if fast(m_cross, m_cold) and fast(m_same, m_cold):
+        if sum(paired) > len(paired) / 2:
+            return result(LEAK, f"another key's prefix answers as fast as the owner's repeat: {numbers}")
+        return result(UNCLEAR, f"the medians say another key's prefix hits, most rounds do not (noise? more "
+                               f"rounds): {numbers}")
+    if fast(m_same, m_cold):
         return result(ISOLATED, f"the owner's repeat is fast, another key's is not: {numbers}")
-    if fast(m_cross):
+    if fast(m_cross, m_cold):
         return result(UNCLEAR, f"another key's request is fast but the owner's repeat is not (noise? more "
-                               f"--timing-rounds): {numbers}")
+                               f"rounds): {numbers}")
     return result(NO_CACHE, f"no repeat is faster than a fresh prefix: {numbers}")
 
 
@@ -578,7 +610,7 @@ def timing_lines(t: Timing) -> list[str]:
 
     size = f"{t.prompt_tokens}-token prompts" if t.prompt_tokens else "long prompts"
     return [f"probe: timing ({size}, {t.rounds} rounds): TTFT median, s",
-            f"  cold (fresh prefix)         {cell(t.cold)}",
+            f"  cold (fresh prefixes)       {cell(t.cold)}",
             f"  same key (owner's repeat)   {cell(t.same_key)}",
             f"  cross key (owner's prefix)  {cell(t.cross_key)}"
             + (f"  cached_tokens {t.cross_cached}" if t.cross_cached is not None else ""),
@@ -863,44 +895,40 @@ class Prober:
         ``timing_prefix_tokens``: the victim (the first canary key) sends P + a question; then the attacker sends
         P + another question (cross key) and a fresh prefix of P's length + the same question (cold), in an
         order that alternates by round; then the victim sends P + a third question (same key). One cold request
-        first warms the server to this length. Medians judged by ``timing_verdict``."""
+        first warms the server to this length. The rounds are judged by ``timing_verdict``."""
         victim, attacker = self.victims[0], self.attacker
         tokens = timing_prefix_tokens(limits)
         if tokens < TIMING_MIN_PREFIX:
             why = f"the tightest limit leaves room for a {tokens}-token prefix only (want {TIMING_MIN_PREFIX})"
-            return replace(timing_verdict([], [], [], prompt_tokens=tokens), why=why), None
+            return replace(timing_verdict([], tokens), why=why), None
         words = self.tokens.words_for(tokens)
 
         def fresh() -> str:
             return timing_prefix(f"{self.rng.randrange(10**7, 10**8)}", words, self.rng)
 
-        def ttft(ex: Exchange, into: list[float]) -> None:
-            if ex.status == 200 and ex.ttft is not None:
-                into.append(ex.ttft)
+        def ttft(ex: Exchange) -> float | None:
+            return ex.ttft if ex.status == 200 else None
 
         await self.stream(attacker, "warm-up (fresh prefix)", timing_prompt(fresh(), TIMING_QUESTIONS[1]))
-        cold: list[float] = []
-        same: list[float] = []
-        cross: list[float] = []
-        cached: list[int] = []
+        results: list[TimingRound] = []
         sizes: list[int] = []
         first_cross = None
         for i in range(rounds):
             prefix = fresh()
-            await self.stream(victim, f"round {i + 1}: victim's prefix",
-                              timing_prompt(prefix, TIMING_QUESTIONS[0]))
-            order = [("victim's prefix (cross key)", prefix, cross), ("fresh prefix (cold)", fresh(), cold)]
-            for label, text, into in order if i % 2 == 0 else order[::-1]:
-                ex = await self.stream(attacker, f"round {i + 1}: {label}", timing_prompt(text, TIMING_QUESTIONS[1]))
-                ttft(ex, into)
-                if into is cross:
-                    first_cross = first_cross or ex
-                    cached += [ex.cached_tokens] if ex.cached_tokens is not None else []
-                    sizes += [ex.prompt_tokens] if ex.prompt_tokens else []
-            ex = await self.stream(victim, f"round {i + 1}: victim's prefix again (same key)",
-                                   timing_prompt(prefix, TIMING_QUESTIONS[2]))
-            ttft(ex, same)
-        result = timing_verdict(cold, same, cross, cached, int(statistics.median(sizes)) if sizes else tokens)
+            first = await self.stream(victim, f"round {i + 1}: victim's prefix",
+                                      timing_prompt(prefix, TIMING_QUESTIONS[0]))
+            got: dict[str, Exchange] = {}
+            order = [("victim's prefix (cross key)", prefix), ("fresh prefix (cold)", fresh())]
+            for label, text in order if i % 2 == 0 else order[::-1]:
+                got[label] = await self.stream(attacker, f"round {i + 1}: {label}",
+                                               timing_prompt(text, TIMING_QUESTIONS[1]))
+            cross, cold = got[order[0][0]], got[order[1][0]]
+            same = await self.stream(victim, f"round {i + 1}: victim's prefix again (same key)",
+                                     timing_prompt(prefix, TIMING_QUESTIONS[2]))
+            first_cross = first_cross or cross
+            sizes += [cross.prompt_tokens] if cross.prompt_tokens else []
+            results.append(TimingRound(ttft(first), ttft(cross), ttft(cold), ttft(same), cross.cached_tokens))
+        result = timing_verdict(results, int(statistics.median(sizes)) if sizes else tokens)
         if result.verdict != LEAK or first_cross is None:
             return result, None
         return result, Finding("timing", attacker.label, (victim.label,), first_cross.id, first_cross.label,
