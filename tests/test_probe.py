@@ -415,7 +415,8 @@ def test_a_clean_kvfence_server_passes(tenants, tmp_path):
                    if r["role"] == "attacker" and r["planned_tokens"] + r["max_tokens"] > 4096]
     assert over_length and set(over_length) == {400}
     # the cache is scoped to the tenant (issue #22): another key's prefix never answers faster than a fresh one
-    assert report["timing"]["verdict"] in (NO_CACHE, ISOLATED), report["timing"]
+    # (exit 0 says no timing finding; a loaded host may leave the verdict unclear, never a leak)
+    assert report["timing"]["rounds"] == 3 and report["timing"]["verdict"] in (NO_CACHE, ISOLATED, UNCLEAR)
 
 
 @pytest.mark.timeout(600)

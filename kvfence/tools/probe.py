@@ -260,7 +260,7 @@ def victim_sizes(limits: Limits, max_tokens: int, cap: int | None) -> list[int]:
 
 @dataclass
 class Exchange:
-    """One request and its answer. ``role``: calibration | victim | attacker | normal; ``alone``: sent with
+    """One request and its answer. ``role``: calibration | victim | attacker | normal | timing; ``alone``: sent with
     nothing else in flight (the baseline of the coherence check). ``text``: the reply's content, or an error
     body's message; ``error``: why no answer came (timeout, connection)."""
 
@@ -716,12 +716,12 @@ class Prober:
         self.report_progress(ex)
         return ex
 
-    async def stream(self, tenant: Tenant, label: str, prompt: str) -> Exchange:
+    async def stream(self, tenant: Tenant, label: str, prompt: str, planned_tokens: int) -> Exchange:
         """Stream one greedy chat of ``TIMING_MAX_TOKENS`` and record its TTFT (the timing phase: outside the
         --requests and --time-limit budget, which bound the leak phases)."""
         import httpx
-        role = "attacker" if tenant == self.attacker else "victim"
-        ex = Exchange(len(self.exchanges) + 1, "timing", tenant.label, role, label, prompt, TIMING_MAX_TOKENS)
+        ex = Exchange(len(self.exchanges) + 1, "timing", tenant.label, "timing", label, prompt, TIMING_MAX_TOKENS,
+                      planned_tokens)
         self.exchanges.append(ex)
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
                 "max_tokens": TIMING_MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
@@ -909,22 +909,22 @@ class Prober:
         def ttft(ex: Exchange) -> float | None:
             return ex.ttft if ex.status == 200 else None
 
-        await self.stream(attacker, "warm-up (fresh prefix)", timing_prompt(fresh(), TIMING_QUESTIONS[1]))
+        await self.stream(attacker, "warm-up (fresh prefix)", timing_prompt(fresh(), TIMING_QUESTIONS[1]), tokens)
         results: list[TimingRound] = []
         sizes: list[int] = []
         first_cross = None
         for i in range(rounds):
             prefix = fresh()
             first = await self.stream(victim, f"round {i + 1}: victim's prefix",
-                                      timing_prompt(prefix, TIMING_QUESTIONS[0]))
+                                      timing_prompt(prefix, TIMING_QUESTIONS[0]), tokens)
             got: dict[str, Exchange] = {}
             order = [("victim's prefix (cross key)", prefix), ("fresh prefix (cold)", fresh())]
             for label, text in order if i % 2 == 0 else order[::-1]:
                 got[label] = await self.stream(attacker, f"round {i + 1}: {label}",
-                                               timing_prompt(text, TIMING_QUESTIONS[1]))
+                                               timing_prompt(text, TIMING_QUESTIONS[1]), tokens)
             cross, cold = got[order[0][0]], got[order[1][0]]
             same = await self.stream(victim, f"round {i + 1}: victim's prefix again (same key)",
-                                     timing_prompt(prefix, TIMING_QUESTIONS[2]))
+                                     timing_prompt(prefix, TIMING_QUESTIONS[2]), tokens)
             first_cross = first_cross or cross
             sizes += [cross.prompt_tokens] if cross.prompt_tokens else []
             results.append(TimingRound(ttft(first), ttft(cross), ttft(cold), ttft(same), cross.cached_tokens))
