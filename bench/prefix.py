@@ -20,6 +20,7 @@ variant is skipped and the run says so. Streaming, greedy, EOS ignored; on each 
 
     .venv/bin/python bench/prefix.py            # 2 rounds: ~15 min with both variants on 2 cores
     .venv/bin/python bench/prefix.py --quick    # 1 round, fewer samples: a few minutes
+    .venv/bin/python bench/prefix.py --quick --url http://127.0.0.1:8600   # a running server (vLLM: any keys)
 
 Writes JSON (``--json``) with the CPU model and flags, and prints tables.
 """
@@ -316,6 +317,9 @@ def main() -> None:
     ap.add_argument("--load-max-tokens", type=int, default=64)
     ap.add_argument("--shared-prompts", type=int, default=3, help="shared system prompts per tenant")
     ap.add_argument("--server-args", default="", help="extra 'kvfence serve' arguments, for every variant")
+    ap.add_argument("--url", help="measure this running OpenAI-compatible server (http://HOST:PORT, without /v1) "
+                                  "instead of starting kvfence")
+    ap.add_argument("--keys", help="with --url: alice's and bob's API keys, comma-separated (two tenants)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench/results/prefix.json")
     args = ap.parse_args()
@@ -325,7 +329,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the server started here stops too
 
     notes, variants = [], [("cache on", [])]
-    if serve_has_flag(OFF_FLAG):
+    if args.url:
+        KEYS.update(zip(KEYS, args.keys.split(","), strict=True) if args.keys else {})
+        notes.append(f"a running server at {args.url}: nothing started, no cache-off variant")
+    elif serve_has_flag(OFF_FLAG):
         variants.append(("cache off", [OFF_FLAG]))
     else:
         variants = [("default", [])]
@@ -337,22 +344,32 @@ def main() -> None:
     tenants.write("".join(f'[tenants.{t}]\napi_keys = ["{k}"]\n\n' for t, k in KEYS.items()))
     tenants.flush()
     words, jobs, runs = None, None, []
+
+    def measure(url: str, label: str, rnd: int, extra: list[str]) -> None:
+        nonlocal words, jobs
+        bench = Bench(url, args, rng)
+        if words is None:
+            words = calibrate_words(bench.clients["alice"], args.system_tokens)
+        if jobs is None or args.url:  # the same requests on every server started here; new ones on a running one
+            shared = {t: [bench.system(words) for _ in range(args.shared_prompts)] for t in KEYS}
+            jobs = load_jobs(args.requests, shared, words, rng)
+        result = asyncio.run(bench.run(words, jobs))
+        lo = result["load"]
+        print(f"  load: {lo['output_tok_s']:.1f} tok/s, TTFT p50 {lo['ttft_p50']:.2f}s p99 {lo['ttft_p99']:.2f}s, "
+              f"{lo['failures']} failed", file=sys.stderr, flush=True)
+        runs.append({"label": label, "round": rnd + 1, "server_args": extra, **result})
+
     for rnd in range(args.rounds):
+        if args.url:
+            print(f"round {rnd + 1}/{args.rounds}: {args.url}", file=sys.stderr, flush=True)
+            measure(args.url.rstrip("/"), "server", rnd, [])
+            continue
         for label, extra in variants if rnd % 2 == 0 else variants[::-1]:
             print(f"round {rnd + 1}/{args.rounds}: starting kvfence ({label})...", file=sys.stderr, flush=True)
             server = LocalServer([*extra, "--tenants", tenants.name, *args.server_args.split()], cwd=ROOT)
             try:
                 server.wait_ready(600)
-                bench = Bench(server.url, args, rng)
-                if words is None:
-                    words = calibrate_words(bench.clients["alice"], args.system_tokens)
-                    shared = {t: [bench.system(words) for _ in range(args.shared_prompts)] for t in KEYS}
-                    jobs = load_jobs(args.requests, shared, words, rng)
-                result = asyncio.run(bench.run(words, jobs))
-                print(f"  load: {result['load']['output_tok_s']:.1f} tok/s, TTFT p50 {result['load']['ttft_p50']:.2f}s "
-                      f"p99 {result['load']['ttft_p99']:.2f}s, {result['load']['failures']} failed",
-                      file=sys.stderr, flush=True)
-                runs.append({"label": label, "round": rnd + 1, "server_args": extra, **result})
+                measure(server.url, label, rnd, extra)
             finally:
                 server.stop()
     report = {"cpu": cpu(), "notes": notes, "workload": {k: getattr(args, k) for k in (
