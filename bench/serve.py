@@ -46,6 +46,8 @@ class Result:
     tpot: float  # mean seconds per output token after the first
     tokens: int  # completion tokens (from usage)
     prompt_tokens: int
+    text: str = ""  # the content streamed
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
 
 
 @dataclass
@@ -72,12 +74,14 @@ class Client:
         self.headers = {"Authorization": f"Bearer {key}"}
         self.model = model or httpx.get(self.url + "/models", headers=self.headers, timeout=30).json()["data"][0]["id"]
 
-    async def complete(self, http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Result:
+    async def complete(self, http: httpx.AsyncClient, prompt: str, max_tokens: int,
+                       messages: list[dict] | None = None) -> Result:
+        """Stream one greedy chat: ``prompt`` as the only user message, or the chat ``messages`` when given."""
         body = {"model": self.model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": prompt}]}
+                "messages": messages or [{"role": "user", "content": prompt}]}
         t0 = time.perf_counter()
-        first, tokens, prompt_tokens = None, 0, 0
+        first, tokens, prompt_tokens, text, cached = None, 0, 0, [], None
         async with http.stream("POST", self.url + "/chat/completions", json=body, headers=self.headers) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -87,12 +91,15 @@ class Client:
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"]["prompt_tokens"]
+                    cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 choices = chunk.get("choices") or [{}]
-                if first is None and (choices[0].get("delta") or {}).get("content"):
-                    first = time.perf_counter()
+                content = (choices[0].get("delta") or {}).get("content")
+                if content:
+                    first = first or time.perf_counter()
+                    text.append(content)
         end = time.perf_counter()
         first = first or end
-        return Result(first - t0, (end - first) / max(tokens - 1, 1), tokens, prompt_tokens)
+        return Result(first - t0, (end - first) / max(tokens - 1, 1), tokens, prompt_tokens, "".join(text), cached)
 
     def prompt_tokens(self, prompt: str) -> int:
         body = {"model": self.model, "max_tokens": 1, "messages": [{"role": "user", "content": prompt}]}

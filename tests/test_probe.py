@@ -1,8 +1,8 @@
 """``kvfence probe``: its pure parts with exact inputs, then two runs against real servers with the real SmolLM2.
 
-The end-to-end runs: a clean ``kvfence serve`` passes (exit 0); the incident emulation of DESIGN section 1 (every
-layer off, a prefill pool smaller than the context) is caught: exit 1, a leak naming victim and receiver, and
-over-length requests answered 200.
+The end-to-end runs: a clean ``kvfence serve`` passes (exit 0), its timing phase finding no cache shared across
+keys; the incident emulation of DESIGN section 1 (every layer off, a prefill pool smaller than the context) is
+caught: exit 1, a leak naming victim and receiver, and over-length requests answered 200.
 """
 
 import json
@@ -16,14 +16,21 @@ from kvfence.tools.probe import (
     EXIT_CLEAN,
     EXIT_FINDINGS,
     EXIT_INCONCLUSIVE,
+    ISOLATED,
+    LEAK,
+    NO_CACHE,
+    NOT_MEASURED,
+    UNCLEAR,
     Canary,
     Exchange,
     Limits,
     Report,
     Target,
     Tenant,
+    TimingRound,
     attack_targets,
     attack_text,
+    cached_tokens,
     canary_prompt,
     classify,
     document_chars_for,
@@ -33,6 +40,12 @@ from kvfence.tools.probe import (
     must_reject,
     new_canary,
     render_table,
+    report_json,
+    sse_event,
+    timing_prefix,
+    timing_prefix_tokens,
+    timing_prompt,
+    timing_verdict,
     victim_document,
     victim_sizes,
 )
@@ -213,6 +226,165 @@ def test_report_table_and_exit_codes():
     assert "CANNOT CONCLUDE: no pair" in render_table(report_of([], "no pair"))
 
 
+# -- timing: a prefix cache shared across keys ---------------------------------------------------------------
+
+
+def test_timing_prefix_is_1500_tokens_where_the_limits_leave_room_for_it_and_the_question():
+    assert timing_prefix_tokens(Limits(4096)) == 1500
+    assert timing_prefix_tokens(Limits(None)) == 1500
+    assert timing_prefix_tokens(INCIDENT) == 1024 - 48  # the prefill pool holds the prompt alone
+    assert timing_prefix_tokens(Limits(1000)) == 1000 - 4 - 48  # the context holds prompt + 4 output tokens
+
+
+def test_timing_prefixes_differ_from_their_first_word_after_the_tag_and_all_through():
+    rng = random.Random(3)
+    a, b = timing_prefix("12345678", 200, rng), timing_prefix("87654321", 200, rng)
+    assert a.startswith("Archive 12345678. ") and len(a.split()) == 202
+    assert a.split()[2:] != b.split()[2:]  # the bodies differ too, not only the tags
+    assert timing_prompt(a, "Why?") == a + "\n\nWhy?"
+
+
+def rounds(first, cross, cold, same, cached=None) -> list[TimingRound]:
+    """Rounds from per-kind lists (one value per round)."""
+    return [TimingRound(*times, cached) for times in zip(first, cross, cold, same, strict=True)]
+
+
+def test_a_cache_shared_across_keys_is_a_leak():
+    t = timing_verdict(rounds([1.7, 1.6, 1.66], [0.40, 0.42, 0.39], [1.6, 1.7, 1.68], [0.4, 0.38, 0.41]))
+    assert t.verdict == LEAK and t.rounds == 3 and t.fast_rounds == 3
+    assert (t.cold, t.same_key, t.cross_key) == (1.67, 0.4, 0.4)  # cold: the victims' first and the fresh ones
+    assert "cross-key 0.400 s, same-key 0.400 s, cold 1.670 s (medians of 3 rounds; cross-key fast in 3 of 3" in t.why
+
+
+def test_a_cache_per_key_is_isolated_and_no_cache_is_no_cache():
+    cold = [1.6, 1.7, 1.68]
+    assert timing_verdict(rounds(cold, [1.65, 1.62, 1.7], cold, [0.4, 0.38, 0.41])).verdict == ISOLATED
+    assert timing_verdict(rounds(cold, [1.65, 1.62, 1.7], cold, [1.66, 1.58, 1.71])).verdict == NO_CACHE
+    # partly faster is not "markedly": 0.7 x cold
+    assert timing_verdict(rounds([1.0] * 3, [0.7] * 3, [1.0] * 3, [0.3] * 3)).verdict == ISOLATED
+
+
+def test_one_noisy_round_does_not_decide_medians_do():
+    cold = [1.6, 0.3, 1.7]  # one cold request ran on a quiet moment...
+    cross = [1.65, 1.62, 0.2]  # ...and one cross-key request too
+    assert timing_verdict(rounds([1.6, 1.6, 1.6], cross, cold, [0.4, 0.38, 0.41])).verdict == ISOLATED
+
+
+def test_medians_that_the_rounds_do_not_bear_out_are_unclear_not_a_leak():
+    # seen on a loaded host without a cache: two rounds, their cold times 3 s and 8-12 s apart
+    t = timing_verdict(rounds([3.150, 8.189], [3.234, 4.569], [3.527, 12.396], [5.441, 2.834]))
+    assert t.verdict != LEAK
+    # medians fast (cross 0.9 against cold 3.0), but only one round of three has cross under 0.6 x its own cold
+    t = timing_verdict(rounds([1.0, 3.0, 3.0], [0.9, 1.9, 0.5], [1.0, 3.0, 3.0], [0.5, 0.5, 0.5]))
+    assert t.verdict == UNCLEAR and t.fast_rounds == 1 and "most rounds do not" in t.why
+
+
+def test_fast_cross_key_with_a_slow_owner_repeat_is_unclear_not_a_leak():
+    cold = [1.6, 1.7, 1.68]
+    t = timing_verdict(rounds(cold, [0.4, 0.42, 0.39], cold, [1.6, 1.62, 1.7]))
+    assert t.verdict == UNCLEAR and "more rounds" in t.why
+
+
+def test_differences_under_the_gap_are_noise_even_when_the_ratio_holds():
+    cold = [0.010, 0.012, 0.011]
+    assert timing_verdict(rounds(cold, [0.002] * 3, cold, [0.002] * 3)).verdict == NO_CACHE
+
+
+def test_the_servers_own_cached_tokens_across_keys_are_a_leak_whatever_the_times():
+    t = timing_verdict(rounds([1.0] * 2, [0.95] * 2, [1.0] * 2, [0.9] * 2, 1408), 1530)
+    assert t.verdict == LEAK and "the server reports 1408 of its 1530 prompt tokens cached" in t.why
+    assert timing_verdict(rounds([1.0] * 2, [0.95] * 2, [1.0] * 2, [0.9] * 2, 16), 1530).verdict == NO_CACHE
+
+
+def test_too_few_answers_are_not_measured():
+    assert timing_verdict(rounds([1.0], [0.3], [1.0], [0.3])).verdict == NOT_MEASURED
+    assert timing_verdict(rounds([1.0, 1.0], [0.3, None], [1.0, 1.0], [0.3, 0.3])).verdict == NOT_MEASURED
+    assert timing_verdict([]).cold is None
+
+
+def test_sse_events_give_content_and_usage():
+    assert sse_event('data: {"choices":[{"delta":{"role":"assistant","content":""}}]}') == ("", None)
+    assert sse_event('data: {"choices":[{"delta":{"content":"Hi"}}]}') == ("Hi", None)
+    usage = {"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 8}}
+    assert sse_event("data: " + json.dumps({"choices": [], "usage": usage})) == ("", usage)
+    assert sse_event("data: [DONE]") == ("", None) and sse_event(": keep-alive") == ("", None)
+    assert cached_tokens(usage) == 8 and cached_tokens({"prompt_tokens_details": None}) is None
+    assert cached_tokens(None) is None
+
+
+def test_the_report_shows_the_timing_table_and_a_timing_finding():
+    from kvfence.tools.probe import Finding
+
+    t = timing_verdict(rounds([1.7, 1.6, 1.66], [0.40, 0.42, 0.39], [1.6, 1.7, 1.68], [0.4, 0.38, 0.41]), 1530)
+    finding = Finding("timing", "key2", ("key1",), 9, "round 1: victim's prefix (cross key)", 200, t.why)
+    report = report_of([finding])
+    report.timing = t
+    table = render_table(report)
+    assert "probe: timing (1530-token prompts, 3 rounds): TTFT median, s" in table
+    assert "cold (fresh prefixes)       1.670" in table and "cross key (owner's prefix)  0.400" in table
+    assert f"probe: timing verdict: {LEAK}:" in table and "FINDINGS: 1 timing" in table
+    assert report.exit_code == EXIT_FINDINGS
+    assert json.loads(report_json(report))["timing"]["verdict"] == LEAK
+    clean = report_of([])
+    clean.timing = timing_verdict(rounds([1.6, 1.7], [1.6, 1.7], [1.6, 1.7], [1.6, 1.7]))
+    assert "OK: no leak, no wrong status, no incoherence, no cache shared across keys found" in render_table(clean)
+    assert json.loads(report_json(report_of([])))["timing"] is None
+
+
+def fake_cache_server(scope: str | None, cold: float = 0.15, hit: float = 0.01):
+    """An OpenAI-compatible mock whose TTFT is ``hit`` for a prompt whose first 40 characters it saw before
+    (``scope``: "global" shares what it saw across keys, "key" per key; ``None``: no cache), else ``cold``."""
+    import asyncio
+
+    import httpx
+
+    seen: set[tuple[str, str]] = set()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "max_model_len": 4096}]})
+        body = json.loads(request.content)
+        prompt = body["messages"][0]["content"]
+        key = "" if scope == "global" else request.headers["authorization"]
+        hit_now = scope is not None and (key, prompt[:40]) in seen
+        seen.add((key, prompt[:40]))
+        await asyncio.sleep(hit if hit_now else cold)
+        tokens = len(prompt.split()) + 30
+        usage = {"prompt_tokens": tokens, "completion_tokens": 1,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        events = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                  {"choices": [{"delta": {"content": "Sea"}}]}, {"choices": [], "usage": usage}]
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+    return handler
+
+
+@pytest.mark.parametrize(("scope", "verdict"), [("global", LEAK), ("key", ISOLATED), (None, NO_CACHE)])
+def test_the_timing_phase_tells_a_shared_cache_from_one_per_key_and_from_none(scope, verdict):
+    import asyncio
+
+    import httpx
+
+    from kvfence.tools.probe import Prober, Settings
+
+    async def run():
+        settings = Settings("http://probe.test", [Tenant("key1", "a"), Tenant("key2", "b")], "m", None, 30, 60.0,
+                            2, 10.0, 8, None, 1, None, 3)
+        transport = httpx.MockTransport(fake_cache_server(scope))
+        async with httpx.AsyncClient(base_url=settings.url, transport=transport) as client:
+            return await Prober(settings, client, open("/dev/null", "w")).timing(Limits(4096), 3)
+
+    timing, finding = asyncio.run(run())
+    assert timing.verdict == verdict, timing
+    assert timing.rounds == 3 and timing.cross_cached == 0
+    if verdict == LEAK:
+        assert (finding.kind, finding.receiver, finding.victims) == ("timing", "key2", ("key1",))
+        assert "cross key" in finding.label
+    else:
+        assert finding is None
+
+
 # -- against real servers (slow) ---------------------------------------------------------------------------------
 
 
@@ -242,6 +414,9 @@ def test_a_clean_kvfence_server_passes(tenants, tmp_path):
     over_length = [r["status"] for r in report["requests"]
                    if r["role"] == "attacker" and r["planned_tokens"] + r["max_tokens"] > 4096]
     assert over_length and set(over_length) == {400}
+    # the cache is scoped to the tenant (issue #22): another key's prefix never answers faster than a fresh one
+    # (exit 0 says no timing finding; a loaded host may leave the verdict unclear, never a leak)
+    assert report["timing"]["rounds"] == 3 and report["timing"]["verdict"] in (NO_CACHE, ISOLATED, UNCLEAR)
 
 
 @pytest.mark.timeout(600)
@@ -250,7 +425,7 @@ def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tena
              "--decode-pool-tokens", "1088", "--tenants", tenants)
     with Server(*flags, env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
         for _ in range(2):  # a leak needs the model to repeat a code from stale KV: most runs show it, not every one
-            done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "180")
+            done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "180", "--no-timing")
             assert done.returncode == EXIT_FINDINGS, done.stdout + done.stderr[-3000:]
             kinds = {f["kind"] for f in report["findings"]}
             if "leak" in kinds:

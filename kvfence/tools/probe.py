@@ -9,6 +9,16 @@ Every ``--key`` but the last is a canary (victim) tenant; the last key is the at
 - Findings: a response holding another tenant's code or a fragment of its request (``leak``); an over-length
   request answered 200 (``wrong status``) or 5xx (``wrong status class``); a greedy output under load that
   differs from the same prompt's output alone (``incoherent``).
+- Last, the timing phase (``--timing-rounds``, default 3; ``--no-timing`` skips it): a prefix cache shared across
+  keys tells one tenant what another sent. Per round the victim (the first key) streams a fresh ~1,500-token
+  prefix (less where the limits learned leave less room) + a question; the attacker streams the same prefix +
+  another question (cross key) and a fresh prefix as long (cold; the victim's first request is cold too); the
+  victim repeats its prefix with a third question (same key, which shows whether the server caches at all).
+  Medians of the times to first token: cross key and same key both under 0.6 x cold (and 20 ms under it), with
+  the cross key also under 0.6 x its own round's cold in most rounds, is a ``timing`` finding ("caches across
+  keys: leak"), as is a server reporting half the prompt or more as ``cached_tokens`` across keys; a fast same
+  key alone is "caches per key: isolated"; neither, "no cache seen"; medians and rounds that disagree,
+  "unclear". The phase sends 1 + 4 x rounds requests outside ``--requests`` and ``--time-limit``.
 
 The first part (prompts, sizes, findings, report) is pure and unit-tested; ``Prober`` drives it over HTTP.
 Exit status: 0 nothing found, 1 findings, 2 usage or connection error, 3 cannot conclude.
@@ -22,10 +32,11 @@ import json
 import logging
 import random
 import re
+import statistics
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -229,12 +240,17 @@ def attack_targets(limits: Limits, max_tokens: int, far_over_default: int = 262_
     return list(unique.values())
 
 
-def victim_sizes(limits: Limits, max_tokens: int, cap: int | None) -> list[int]:
-    """Victim prompt tokens: filling the tightest limit but 12 tokens (a prefill pool holds the prompt, any other
-    limit prompt + ``max_tokens``), then 95% and 90% of it; at most ``cap`` (when given). Without a limit:
-    1,000."""
+def prompt_room(limits: Limits, max_tokens: int) -> int | None:
+    """The longest prompt every limit admits with ``max_tokens`` (a prefill pool holds the prompt, any other
+    limit prompt + ``max_tokens``), or ``None`` without a limit."""
     named = ([("context", limits.context)] if limits.context else []) + list(limits.pools.items())
-    room = min((size - (0 if name.startswith("prefill") else max_tokens) for name, size in named), default=None)
+    return min((size - (0 if name.startswith("prefill") else max_tokens) for name, size in named), default=None)
+
+
+def victim_sizes(limits: Limits, max_tokens: int, cap: int | None) -> list[int]:
+    """Victim prompt tokens: filling the tightest limit but 12 tokens (``prompt_room``), then 95% and 90% of it;
+    at most ``cap`` (when given). Without a limit: 1,000."""
+    room = prompt_room(limits, max_tokens)
     sizes = [1000] if room is None else [room - 12, int(0.95 * room), int(0.9 * room)]
     return [min(s, cap) if cap else s for s in sizes]
 
@@ -244,7 +260,7 @@ def victim_sizes(limits: Limits, max_tokens: int, cap: int | None) -> list[int]:
 
 @dataclass
 class Exchange:
-    """One request and its answer. ``role``: calibration | victim | attacker | normal; ``alone``: sent with
+    """One request and its answer. ``role``: calibration | victim | attacker | normal | timing; ``alone``: sent with
     nothing else in flight (the baseline of the coherence check). ``text``: the reply's content, or an error
     body's message; ``error``: why no answer came (timeout, connection)."""
 
@@ -265,6 +281,8 @@ class Exchange:
     error: str | None = None
     started: float = 0.0  # seconds since the run began
     ended: float = 0.0
+    ttft: float | None = None  # streamed (timing phase): seconds to the first content
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where reported
 
     @property
     def tokens(self) -> int | None:
@@ -274,8 +292,9 @@ class Exchange:
 
 @dataclass(frozen=True)
 class Finding:
-    """``kind``: leak | wrong status | wrong status class | incoherent. ``receiver`` got the response;
-    ``victims`` own what leaked into it (empty for other kinds)."""
+    """``kind``: leak | wrong status | wrong status class | incoherent | timing. ``receiver`` got the response;
+    ``victims`` own what leaked into it (for ``timing``: whose prefix answered the receiver from cache; empty for
+    the other kinds)."""
 
     kind: str
     receiver: str
@@ -367,6 +386,159 @@ def _excerpt(text: str, most: int = 80) -> str:
     return repr(flat if len(flat) <= most else flat[:most] + "…")
 
 
+# -- timing: a prefix cache shared across keys (issue #22) -----------------------------------------------------
+
+TIMING_PREFIX_TOKENS = 1500  # the prefix wanted, when the limits leave room for it (and the question)
+TIMING_MIN_PREFIX = 256  # below this a cache hit saves too little time to see
+TIMING_QUESTION_TOKENS = 48  # room kept for the question after the prefix
+TIMING_MAX_TOKENS = 4  # of every timing request: only the first token's time counts
+# The victim asks the first, the attacker (on the victim's prefix and on its own fresh one) the second, the victim's
+# repeat the third: no request repeats another whole, so a cache of whole answers cannot answer any.
+TIMING_QUESTIONS = ("In one word, what is the text above about?", "Which word does the text above use most?",
+                    "What is the last word of the text above?")
+TIMING_RATIO = 0.6  # "markedly faster": a median TTFT under 0.6 x the cold median...
+TIMING_MIN_GAP = 0.02  # ...and at least 20 ms under it (jitter of the clock, the network, the event loop)
+LEAK, ISOLATED, NO_CACHE, UNCLEAR, NOT_MEASURED = ("caches across keys: leak", "caches per key: isolated",
+                                                   "no cache seen", "unclear", "not measured")
+
+
+def timing_prefix_tokens(limits: Limits, wanted: int = TIMING_PREFIX_TOKENS) -> int:
+    """Prompt tokens of a timing prefix: ``wanted``, or less where the tightest limit (``prompt_room`` with
+    ``TIMING_MAX_TOKENS``) leaves less room beside the question."""
+    room = prompt_room(limits, TIMING_MAX_TOKENS)
+    return wanted if room is None else min(wanted, room - TIMING_QUESTION_TOKENS)
+
+
+def timing_prefix(tag: str, words: int, rng: random.Random) -> str:
+    """A prefix no other request shares: ``tag`` first (a prefix cache matches from the first token), then
+    ``words`` of ``ATTACK_WORDS`` drawn by ``rng`` (so no chunk of it repeats another prefix's either)."""
+    return f"Archive {tag}. " + " ".join(rng.choice(ATTACK_WORDS) for _ in range(words))
+
+
+def timing_prompt(prefix: str, question: str) -> str:
+    """The prefix, then the question: one user message, so the prefix's tokens lead the prompt after the
+    template's own."""
+    return f"{prefix}\n\n{question}"
+
+
+@dataclass(frozen=True)
+class TimingRound:
+    """One round's TTFTs in seconds (``None`` where no answer came): ``first``, the victim's first request on its
+    fresh prefix (cold too: nothing was cached for it); ``cross``, the attacker on that prefix; ``cold``, the
+    attacker on a fresh prefix as long; ``same``, the victim's repeat; ``cross_cached``, the ``cached_tokens`` the
+    server reported for the cross-key request."""
+
+    first: float | None
+    cross: float | None
+    cold: float | None
+    same: float | None
+    cross_cached: int | None = None
+
+    @property
+    def cold_reference(self) -> float | None:
+        """This round's cold time: the mean of its two cold requests (or the one that came back)."""
+        found = [t for t in (self.first, self.cold) if t is not None]
+        return statistics.fmean(found) if found else None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What the timing phase measured, medians in seconds (``None`` where nothing came back): ``cold``, over every
+    request on a fresh prefix (the victim's first and the attacker's fresh one of each round); ``same_key``, the
+    victim repeating its own prefix; ``cross_key``, the attacker on the victim's prefix; ``fast_rounds``, the
+    rounds whose cross-key time was fast against that round's own cold time; ``cross_cached``, the median
+    ``cached_tokens`` the server reported for the cross-key requests (``None`` when it reports none);
+    ``prompt_tokens``, their prompt tokens (the server's count, else the planned prefix)."""
+
+    prompt_tokens: int | None
+    rounds: int
+    cold: float | None
+    same_key: float | None
+    cross_key: float | None
+    fast_rounds: int
+    cross_cached: int | None
+    verdict: str
+    why: str
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def timing_verdict(rounds: list[TimingRound], prompt_tokens: int | None = None, ratio: float = TIMING_RATIO,
+                   gap: float = TIMING_MIN_GAP) -> Timing:
+    """The verdict on the rounds' TTFTs. A time is "fast" against a cold one when it is under ``ratio`` x cold
+    and at least ``gap`` under it. Medians decide, and the rounds one by one must agree before a leak is named:
+
+    - ``LEAK``: the cross-key median and the same-key median are fast against the cold median (the server
+      caches, and another key's prefix hits), and so is the cross-key time against its own round's cold time in
+      more than half the rounds; or the server itself reports half the prompt or more as ``cached_tokens`` for
+      the cross-key requests (median).
+    - ``ISOLATED``: the same-key median is fast, the cross-key one is not.
+    - ``NO_CACHE``: neither is fast.
+    - ``UNCLEAR``: the cross-key median is fast but the same-key one is not, or the rounds disagree with the
+      medians (noise on a loaded host: run more rounds).
+    - ``NOT_MEASURED``: fewer than two answers of some kind.
+    """
+    cold = [t for r in rounds for t in (r.first, r.cold) if t is not None]
+    same = [r.same for r in rounds if r.same is not None]
+    cross = [r.cross for r in rounds if r.cross is not None]
+    cross_cached = [r.cross_cached for r in rounds if r.cross_cached is not None]
+    m_cold, m_same, m_cross = _median(cold), _median(same), _median(cross)
+    cached = int(statistics.median(cross_cached)) if cross_cached else None
+
+    def fast(t: float, reference: float) -> bool:
+        return t < ratio * reference and reference - t >= gap
+
+    paired = [fast(r.cross, r.cold_reference) for r in rounds if r.cross is not None and r.cold_reference]
+    result = partial(Timing, prompt_tokens, len(rounds), m_cold, m_same, m_cross, sum(paired), cached)
+    if min(len(cold), len(same), len(cross)) < 2 or m_cold is None or m_same is None or m_cross is None:
+        return result(NOT_MEASURED, f"too few answers (cold {len(cold)}, same-key {len(same)}, cross-key "
+                                    f"{len(cross)})")
+    told = f"; the server reports {cached} of its {prompt_tokens} prompt tokens cached" if cached else ""
+    numbers = (f"cross-key {m_cross:.3f} s, same-key {m_same:.3f} s, cold {m_cold:.3f} s (medians of "
+               f"{len(rounds)} rounds; cross-key fast in {sum(paired)} of {len(paired)}; fast: under {ratio} x "
+               f"cold){told}")
+    if cached and prompt_tokens and cached >= prompt_tokens / 2:
+        return result(LEAK, f"another key's prefix is served from cache: {numbers}")
+    if fast(m_cross, m_cold) and fast(m_same, m_cold):
+        if sum(paired) > len(paired) / 2:
+            return result(LEAK, f"another key's prefix answers as fast as the owner's repeat: {numbers}")
+        return result(UNCLEAR, f"the medians say another key's prefix hits, most rounds do not (noise? more "
+                               f"rounds): {numbers}")
+    if fast(m_same, m_cold):
+        return result(ISOLATED, f"the owner's repeat is fast, another key's is not: {numbers}")
+    if fast(m_cross, m_cold):
+        return result(UNCLEAR, f"another key's request is fast but the owner's repeat is not (noise? more "
+                               f"rounds): {numbers}")
+    return result(NO_CACHE, f"no repeat is faster than a fresh prefix: {numbers}")
+
+
+def sse_event(line: str) -> tuple[str, dict | None]:
+    """``(content, usage)`` of one server-sent-events line of a streamed chat: the first choice's content delta
+    (``""`` for none) and the usage object when the chunk carries one."""
+    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+        return "", None
+    try:
+        chunk = json.loads(line[5:])
+    except ValueError:
+        return "", None
+    if not isinstance(chunk, dict):
+        return "", None
+    choices = chunk.get("choices") or [{}]
+    first = choices[0] if isinstance(choices[0], dict) else {}
+    delta = first.get("delta") or {}
+    usage = chunk.get("usage")
+    return delta.get("content") or "", usage if isinstance(usage, dict) else None
+
+
+def cached_tokens(usage: dict | None) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``, or ``None`` where the server reports none."""
+    details = (usage or {}).get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) else None
+
+
 # -- report -------------------------------------------------------------------------------------------------
 
 
@@ -384,6 +556,7 @@ class Report:
     canaries: list[Canary]
     findings: list[Finding]
     inconclusive: str | None
+    timing: Timing | None = None  # None: the timing phase did not run (--no-timing)
 
     @property
     def exit_code(self) -> int:
@@ -418,13 +591,30 @@ def summary_lines(report: Report) -> list[str]:
              + "".join(f", {name} {size}" for name, size in report.limits.pools.items()),
              *[f"probe: note: {n}" for n in report.notes],
              f"probe: {len(report.exchanges)} requests ({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))})"]
+    if report.timing is not None:
+        lines += timing_lines(report.timing)
     if report.findings:
         lines.append("FINDINGS: " + ", ".join(f"{v} {k}" for k, v in kinds.items()))
     elif report.inconclusive:
         lines.append(f"CANNOT CONCLUDE: {report.inconclusive}")
     else:
-        lines.append("OK: no leak, no wrong status, no incoherence found")
+        isolated = report.timing is not None and report.timing.verdict in (ISOLATED, NO_CACHE)
+        lines.append(f"OK: no leak, no wrong status, no incoherence{', no cache shared across keys' * isolated} found")
     return lines
+
+
+def timing_lines(t: Timing) -> list[str]:
+    """The timing phase as a small table (medians, seconds) and its verdict."""
+    def cell(v: float | None) -> str:
+        return f"{v:.3f}" if v is not None else "-"
+
+    size = f"{t.prompt_tokens}-token prompts" if t.prompt_tokens else "long prompts"
+    return [f"probe: timing ({size}, {t.rounds} rounds): TTFT median, s",
+            f"  cold (fresh prefixes)       {cell(t.cold)}",
+            f"  same key (owner's repeat)   {cell(t.same_key)}",
+            f"  cross key (owner's prefix)  {cell(t.cross_key)}"
+            + (f"  cached_tokens {t.cross_cached}" if t.cross_cached is not None else ""),
+            f"probe: timing verdict: {t.verdict}: {t.why}"]
 
 
 def report_json(report: Report) -> str:
@@ -434,6 +624,7 @@ def report_json(report: Report) -> str:
                         for t in report.tenants],
             "canaries": [asdict(c) | {"code": c.code} for c in report.canaries],
             "findings": [asdict(f) for f in report.findings], "inconclusive": report.inconclusive,
+            "timing": asdict(report.timing) if report.timing else None,
             "requests": [asdict(e) for e in report.exchanges]}
     return json.dumps(body, indent=2)
 
@@ -479,6 +670,7 @@ class Settings:
     victim_tokens: int | None
     seed: int | None
     admin_key: str | None = None  # reads the KV pools from a kvfence /health that shows them only to admins
+    timing_rounds: int = 0  # rounds of the timing phase (0: skip it)
 
 
 class Prober:
@@ -524,8 +716,49 @@ class Prober:
         self.report_progress(ex)
         return ex
 
+    async def stream(self, tenant: Tenant, label: str, prompt: str, planned_tokens: int) -> Exchange:
+        """Stream one greedy chat of ``TIMING_MAX_TOKENS`` and record its TTFT (the timing phase: outside the
+        --requests and --time-limit budget, which bound the leak phases)."""
+        import httpx
+        ex = Exchange(len(self.exchanges) + 1, "timing", tenant.label, "timing", label, prompt, TIMING_MAX_TOKENS,
+                      planned_tokens)
+        self.exchanges.append(ex)
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                "max_tokens": TIMING_MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
+        ex.started = round(time.monotonic() - self.started, 2)
+        t0, text = time.perf_counter(), []
+        try:
+            async with self.client.stream("POST", "/v1/chat/completions", json=body, timeout=self.s.timeout,
+                                          headers={"Authorization": f"Bearer {tenant.key}"}) as resp:
+                ex.status = resp.status_code
+                if resp.status_code != 200:
+                    await resp.aread()
+                    ex.text = reply_content(resp)[0]
+                else:
+                    async for line in resp.aiter_lines():
+                        content, usage = sse_event(line)
+                        if content and ex.ttft is None:
+                            ex.ttft = time.perf_counter() - t0
+                        text.append(content)
+                        if usage:
+                            ex.prompt_tokens, ex.completion_tokens = usage.get("prompt_tokens"), \
+                                usage.get("completion_tokens")
+                            ex.cached_tokens = cached_tokens(usage)
+                    ex.text = "".join(text)
+        except httpx.HTTPError as e:
+            ex.error = f"{type(e).__name__}: {e}"
+        ex.ended = round(time.monotonic() - self.started, 2)
+        self.report_progress(ex)
+        return ex
+
     def report_progress(self, ex: Exchange) -> None:
         outcome = ex.status if ex.status is not None else ex.error
+        if ex.phase == "timing":
+            ttft = f"TTFT {ex.ttft:.3f}s" if ex.ttft is not None else "no TTFT"
+            cached = f", {ex.cached_tokens} cached" if ex.cached_tokens else ""
+            print(f"probe: timing: #{ex.id} {ex.tenant} {ex.label} ({ex.tokens or '?'} tokens{cached}) -> {outcome}, "
+                  f"{ttft}", file=self.progress, flush=True)
+            return
         print(f"probe: {ex.phase}: #{ex.id} {ex.role} {ex.label} ({ex.tokens or '?'} tokens) -> {outcome} in "
               f"{ex.ended - ex.started:.1f}s; {len(self.exchanges)}/{self.s.requests} requests, "
               f"{time.monotonic() - self.started:.0f}/{self.s.time_limit:.0f}s", file=self.progress, flush=True)
@@ -657,6 +890,50 @@ class Prober:
                      partial(self.victim, tenant, 0, phase)]
         await asyncio.gather(*(gated(make) for make in plan))
 
+    async def timing(self, limits: Limits, rounds: int) -> tuple[Timing, Finding | None]:
+        """The timing phase: a prefix cache shared across keys. Per round, on a fresh prefix P of
+        ``timing_prefix_tokens``: the victim (the first canary key) sends P + a question; then the attacker sends
+        P + another question (cross key) and a fresh prefix of P's length + the same question (cold), in an
+        order that alternates by round; then the victim sends P + a third question (same key). One cold request
+        first warms the server to this length. The rounds are judged by ``timing_verdict``."""
+        victim, attacker = self.victims[0], self.attacker
+        tokens = timing_prefix_tokens(limits)
+        if tokens < TIMING_MIN_PREFIX:
+            why = f"the tightest limit leaves room for a {tokens}-token prefix only (want {TIMING_MIN_PREFIX})"
+            return replace(timing_verdict([], tokens), why=why), None
+        words = self.tokens.words_for(tokens)
+
+        def fresh() -> str:
+            return timing_prefix(f"{self.rng.randrange(10**7, 10**8)}", words, self.rng)
+
+        def ttft(ex: Exchange) -> float | None:
+            return ex.ttft if ex.status == 200 else None
+
+        await self.stream(attacker, "warm-up (fresh prefix)", timing_prompt(fresh(), TIMING_QUESTIONS[1]), tokens)
+        results: list[TimingRound] = []
+        sizes: list[int] = []
+        first_cross = None
+        for i in range(rounds):
+            prefix = fresh()
+            first = await self.stream(victim, f"round {i + 1}: victim's prefix",
+                                      timing_prompt(prefix, TIMING_QUESTIONS[0]), tokens)
+            got: dict[str, Exchange] = {}
+            order = [("victim's prefix (cross key)", prefix), ("fresh prefix (cold)", fresh())]
+            for label, text in order if i % 2 == 0 else order[::-1]:
+                got[label] = await self.stream(attacker, f"round {i + 1}: {label}",
+                                               timing_prompt(text, TIMING_QUESTIONS[1]), tokens)
+            cross, cold = got[order[0][0]], got[order[1][0]]
+            same = await self.stream(victim, f"round {i + 1}: victim's prefix again (same key)",
+                                     timing_prompt(prefix, TIMING_QUESTIONS[2]), tokens)
+            first_cross = first_cross or cross
+            sizes += [cross.prompt_tokens] if cross.prompt_tokens else []
+            results.append(TimingRound(ttft(first), ttft(cross), ttft(cold), ttft(same), cross.cached_tokens))
+        result = timing_verdict(results, int(statistics.median(sizes)) if sizes else tokens)
+        if result.verdict != LEAK or first_cross is None:
+            return result, None
+        return result, Finding("timing", attacker.label, (victim.label,), first_cross.id, first_cross.label,
+                               first_cross.status, result.why)
+
     async def victim(self, tenant: Tenant, tokens: int, phase: str) -> Exchange | None:
         """A fresh canary of ``tenant`` after a document making about ``tokens`` prompt tokens (none for 0)."""
         if not self.budget_left():
@@ -701,8 +978,12 @@ class Prober:
             inconclusive = "the model did not repeat a fresh code sent alone, so leaked codes may go unseen"
         elif not pairs:
             inconclusive = "no victim-then-attacker pair completed within --requests and --time-limit"
+        findings, timing = classify(self.exchanges, self.canaries, limits), None
+        if self.s.timing_rounds:
+            timing, finding = await self.timing(limits, self.s.timing_rounds)
+            findings += [finding] if finding else []
         return Report(self.s.url, self.model, limits, self.notes, self.s.tenants, [self.attacker.label],
-                      self.exchanges, self.canaries, classify(self.exchanges, self.canaries, limits), inconclusive)
+                      self.exchanges, self.canaries, findings, inconclusive, timing)
 
 
 def reply_content(resp: httpx.Response) -> tuple[str | None, int | None, int | None]:
@@ -740,7 +1021,9 @@ def add_probe_parser(sub) -> None:
         description="Send canary chats as every --key but the last (the victims) and over-length prompts around "
                     "every limit the server exposes as the last --key (the attacker); report responses holding "
                     "another tenant's canary, over-length requests answered 200 or 5xx, and greedy outputs that "
-                    "change under load.\n\n"
+                    "change under load. Then time to first token on a ~1,500-token prefix: the attacker's on the "
+                    "first key's prefix against a fresh one's (a prefix cache shared across keys is a timing "
+                    "leak).\n\n"
                     "Exit status: 0 nothing found, 1 findings, 2 usage or connection error, 3 cannot conclude "
                     "(the model does not repeat codes, or the bounds allowed no victim-then-attacker pair).")
     p.add_argument("--url", required=True, help="http://HOST:PORT of the server (without /v1)")
@@ -759,6 +1042,10 @@ def add_probe_parser(sub) -> None:
     p.add_argument("--victim-tokens", type=_positive(int), default=None, metavar="N",
                    help="longest victim prompt (default: filling the smallest limit learned)")
     p.add_argument("--seed", type=int, default=None, help="seed for the canary codes (default: fresh)")
+    p.add_argument("--timing-rounds", type=_positive(int), default=3, metavar="N",
+                   help="rounds of the timing phase (a prefix cache shared across keys; 1 + 4 x N streamed requests "
+                        "of ~1,500 tokens, outside --requests and --time-limit)")
+    p.add_argument("--no-timing", action="store_true", help="skip the timing phase")
     p.add_argument("--admin-key", default=None, help="an admin key, to learn the KV pools of a kvfence server with "
                                                      "a tenants file (its /health shows them only to admins)")
     p.set_defaults(func=cmd_probe)
@@ -769,7 +1056,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise UsageError("give at least two --key values: canary tenants first, the attacker last")
     tenants = [Tenant(f"key{i + 1}", key) for i, key in enumerate(args.key)]
     return Settings(args.url.rstrip("/"), tenants, args.model, args.max_context, args.requests, args.time_limit,
-                    args.concurrency, args.timeout, args.max_tokens, args.victim_tokens, args.seed, args.admin_key)
+                    args.concurrency, args.timeout, args.max_tokens, args.victim_tokens, args.seed, args.admin_key,
+                    0 if args.no_timing else args.timing_rounds)
 
 
 async def probe(settings: Settings) -> Report:
