@@ -184,6 +184,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     weight: float = 1.0  # the tenant's share weight (tenants file), for the workers' fair scheduling
     cache_salt: str | None = None  # with the tenant, scopes the prefix cache: only equal salts share pages
+    public_tokens: int = 0  # the prompt starts with this many tokens of a prefix an admin published (router's say)
 
     @property
     def prompt_len(self) -> int:

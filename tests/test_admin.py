@@ -170,6 +170,57 @@ async def test_private_needs_a_known_model_and_known_tenants():
         assert (await c.get("/admin/models", headers=ADMIN)).json()["data"][0]["private"] is False
 
 
+# -- public prefixes -----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_published_prefix_marks_the_requests_that_start_with_it_and_only_while_published(caplog):
+    engine = FakeEngine()
+    system = {"role": "system", "content": "Be brief."}
+    async with asgi(engine, tenants()) as c:
+        with caplog.at_level(logging.INFO, logger="kvfence.admin"):
+            resp = await c.post("/admin/prefixes", json={"model": MODEL, "messages": [system]}, headers=ADMIN)
+        prefix = resp.json()
+        assert resp.status_code == 200 and prefix["tokens"] == len("<system>Be brief.")
+        assert prefix["published_by"] == ADMIN_NAME and f"admin {ADMIN_NAME} published prefix" in caplog.text
+        again = await c.post("/admin/prefixes", json={"prompt": list(b"<system>Be brief.")}, headers=ADMIN)
+        assert again.json()["id"] == prefix["id"]  # the same tokens: the same prefix
+        assert (await c.get("/admin/prefixes", headers=ADMIN)).json()["data"] == [prefix]
+
+        for headers in (ALICE, BOB):
+            body = {"model": MODEL, "messages": [system, {"role": "user", "content": "hi"}]}
+            assert (await c.post("/v1/chat/completions", json=body, headers=headers)).status_code == 200
+        assert (await c.post("/v1/chat/completions", json=chat_body(), headers=ALICE)).status_code == 200
+        resp = await c.delete(f"/admin/prefixes/{prefix['id']}", headers=ADMIN)
+        assert resp.json() == {"id": prefix["id"], "object": "prefix", "deleted": True}
+        body = {"model": MODEL, "messages": [system, {"role": "user", "content": "hi"}]}
+        assert (await c.post("/v1/chat/completions", json=body, headers=ALICE)).status_code == 200
+        assert (await c.get("/admin/prefixes", headers=ADMIN)).json()["data"] == []
+    assert [(r.tenant, r.public_tokens) for r in engine.requests] == [
+        ("alice", prefix["tokens"]), ("bob", prefix["tokens"]), ("alice", 0), ("alice", 0)]
+
+
+@pytest.mark.anyio
+async def test_only_an_admin_publishes_a_prefix_and_a_bad_one_is_refused():
+    async with asgi(FakeEngine(), tenants()) as c:
+        assert_error(await c.post("/admin/prefixes", json={"prompt": "x"}, headers=ALICE), 403, "permission_error",
+                     code="permission_denied")
+        assert_error(await c.delete("/admin/prefixes/prefix-1", headers=BOB), 403, "permission_error",
+                     code="permission_denied")
+        assert_error(await c.post("/admin/prefixes", json={"prompt": "x"}), 401, "authentication_error",
+                     code="invalid_api_key")
+        for body, param in [({}, "prompt"), ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+                                             "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [300]}, "prompt"),
+                            ({"prompt": "x" * 64}, "prompt"), ({"prompt": "x", "tenant": "bob"}, "tenant")]:
+            assert_error(await c.post("/admin/prefixes", json=body, headers=ADMIN), 400, "invalid_request_error",
+                         param)
+        assert_error(await c.post("/admin/prefixes", json={"model": "other", "prompt": "x"}, headers=ADMIN), 404,
+                     "invalid_request_error", "model", "model_not_found")
+        assert_error(await c.delete("/admin/prefixes/prefix-1", headers=ADMIN), 404, "invalid_request_error",
+                     "prefix_id", "prefix_not_found")
+        assert (await c.get("/admin/prefixes", headers=ADMIN)).json()["data"] == []
+
+
 # -- draining: colocated -------------------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ def computed(c: PrefixCache, rid: int, tokens: list[int], tenant: str = "alice")
     grants = c.pages.grant(rid, -(-len(tokens) // PS))
     scope = c.scope(tenant, None)
     keys = c.keys(scope, tokens)
-    assert c.insert(scope, keys, rid, grants[: len(keys)]) == len(keys)
+    assert c.insert(keys, c.page_owners(scope, len(keys)), rid, grants[: len(keys)]) == len(keys)
     return scope, grants
 
 
@@ -70,7 +70,7 @@ def test_a_match_is_the_longest_run_of_cached_keys_and_a_lend_takes_references()
     assert hit == grants[:2]
     assert c.match(c.keys(scope, [99] + list(range(1, 12)))) == []  # page 0 differs: nothing after it matches
     assert c.match(c.keys(c.scope("bob", None), list(range(8)))) == []
-    c.lend(scope, hit, B)
+    assert c.lend(hit, B) == [c.owner(scope)] * 2
     assert [c.pages.refcount(p) for p in (0, 1)] == [3, 3]
     assert all(c.pages.holds(B, g) for g in hit)
     check(c)
@@ -81,7 +81,7 @@ def test_insert_stops_at_a_page_already_cached():
     scope, _ = computed(c, A, list(range(8)))
     grants = c.pages.grant(B, 3)
     keys = c.keys(scope, list(range(12)))
-    assert c.insert(scope, keys, B, grants) == 0  # B computed the same first page: nothing of B's is cached
+    assert c.insert(keys, c.page_owners(scope, 3), B, grants) == 0  # B computed the same first page: none cached
     assert [c.pages.owner_of(g.page) for g in grants] == [B, B, B]
     check(c)
 
@@ -93,7 +93,7 @@ def test_eviction_frees_unreferenced_pages_least_recently_used_first_and_a_chain
     c.pages.free(A, g1)
     c.pages.free(B, g2)
     assert c.evictable() == 4 and c.pages.num_free == 4
-    c.lend(s1, c.match(c.keys(s1, [1] * 8)), 0xC)  # chain 1 is now the most recent, and held
+    c.lend(c.match(c.keys(s1, [1] * 8)), 0xC)  # chain 1 is now the most recent, and held
     assert c.evictable() == 2 and c.evictable(keeping=g2[:1]) == 1
     assert c.evict(1) == 1
     assert c.match(c.keys(s2, [2] * 8)) == g2[:1]  # chain 2's last page went first
@@ -150,4 +150,30 @@ def test_the_integrity_check_catches_a_cached_page_the_cache_does_not_hold_and_a
         c.pages.check_integrity({0: owner}, c.owners)  # page 1 is the cache's, but not listed
     c.pages.free(A, grants)
     c.evict(2)
+    check(c)
+
+
+def test_public_pages_are_keyed_alike_for_every_tenant_and_the_pages_after_them_are_not():
+    c = cache()
+    tokens = list(range(12))  # pages 0 and 1 public, page 2 the tenant's own
+    alice, bob = (c.keys(c.scope(t, None), tokens, public_pages=2) for t in ("alice", "bob"))
+    assert alice[:2] == bob[:2] and alice[2] != bob[2]
+    assert alice[0] != c.keys(c.scope("alice", None), tokens)[0]  # a public key is in no tenant's scope
+    assert c.page_owners(c.scope("alice", None), 3, public_pages=2) == [c.public_owner] * 2 + [c.owner(c.scope(
+        "alice", None))]
+    assert c.page_owners(c.scope("alice", None), 1, public_pages=2) == [c.public_owner]
+
+
+def test_a_public_page_one_tenant_computed_is_lent_to_another_under_the_public_owner_and_only_it():
+    c = cache()
+    tokens = list(range(12))
+    alice = c.scope("alice", None)
+    grants = c.pages.grant(A, 3)
+    keys = c.keys(alice, tokens, public_pages=2)
+    assert c.insert(keys, c.page_owners(alice, 3, public_pages=2), A, grants) == 3
+    assert [c.pages.owner_of(g.page) for g in grants] == [c.public_owner] * 2 + [c.owner(alice)]
+    hit = c.match(c.keys(c.scope("bob", None), tokens, public_pages=2))
+    assert hit == grants[:2]  # bob reads the public pages, not alice's own page 2
+    assert c.lend(hit, B) == [c.public_owner] * 2
+    assert c.match(c.keys(c.scope("bob", None), tokens)) == []  # without the router's say, nothing is public
     check(c)

@@ -108,3 +108,31 @@ def test_with_prefix_scope_off_bob_reads_alices_pages(tenants):
         bob = ask(s, "bob", "Summarize the report.")
         assert bob[0] == alice[0] and bob[2] == (alice[1] - 2) // PAGE * PAGE
         assert ask(s, "bob", "Summarize the report.", cache_salt="x")[2] > 0
+
+
+def test_a_published_system_prompt_is_computed_once_for_every_tenant_and_withdrawn_is_private_again(server):
+    """The admin publishes a system prompt: whichever tenant sends it first computes its pages, and every other
+    tenant's request reads them (and only them: what follows stays the tenant's own). Withdrawn, it is keyed in
+    each tenant's scope again."""
+    system = "You are the help desk of the northern region. " * 6
+    admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ADMIN}"})
+    prefix = admin.post("/admin/prefixes", json={"messages": [{"role": "system", "content": system}]}).json()
+    public = prefix["tokens"] // PAGE * PAGE
+    assert public >= 2 * PAGE
+
+    def chat(tenant: str, question: str) -> tuple[str, int, int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        reply = server.client(KEYS[tenant]).chat.completions.create(model="llama", messages=messages, max_tokens=8,
+                                                                     temperature=0)
+        usage = reply.usage
+        return reply.choices[0].message.content, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+
+    question = "Where is the office, and which floor is the help desk on?"
+    answer, prompt_tokens, cached = chat("alice", question)
+    whole = (prompt_tokens - 2) // PAGE * PAGE
+    assert cached == 0 and whole > public
+    assert chat("bob", question) == (answer, prompt_tokens, public)  # the public pages, not alice's own
+    assert chat("bob", question)[2] == whole  # bob's own pages after them, cached for bob
+    assert admin.delete(f"/admin/prefixes/{prefix['id']}").json()["deleted"] is True
+    assert chat("bob", "When does it open?")[2] == 0
+    assert chat("alice", "When does it open?")[2] == 0

@@ -6,6 +6,7 @@ and ``step``; ``local.py`` puts it behind an async interface.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 
@@ -329,10 +330,11 @@ class Engine:
         full = req.prompt_len // ps
         if self.cache is None or full <= seq.shared:
             return
-        scope = self.cache.scope(req.tenant, req.cache_salt)
-        keys = self.cache.keys(scope, req.prompt_ids[: full * ps])
-        added = self.cache.insert(scope, keys[seq.shared :], seq.rid, seq.grants[seq.shared : full])
-        seq.hand_over(self.cache.owner(scope), seq.shared + added)
+        scope, public = self.cache.scope(req.tenant, req.cache_salt), req.public_tokens // ps
+        keys = self.cache.keys(scope, req.prompt_ids[: full * ps], public)
+        owners, start = self.cache.page_owners(scope, full, public), seq.shared
+        added = self.cache.insert(keys[start:], owners[start:], seq.rid, seq.grants[start:full])
+        seq.hand_over(owners[start : start + added])
 
     def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput | None:
         """Hook: ``seq`` sampled ``token``. Records it, and ends the choice when it is finished."""
@@ -399,8 +401,7 @@ class Engine:
         self.seqs[req.rid] = seq
         self.trackers[req.rid] = self._tracker(req)
         if req.params.n > 1:
-            reqs = [Request(req.prompt_ids, req.params, req.tenant, rid=branch_rid(req.rid, i), weight=req.weight,
-                            cache_salt=req.cache_salt)
+            reqs = [dataclasses.replace(req, rid=branch_rid(req.rid, i), output_ids=[])
                     for i in range(1, req.params.n)]
             others = [Sequence(r, make_generator(r.params, i), index=i) for i, r in enumerate(reqs, 1)]
             seq.group = Group(req.rid, [seq, *others], [self.trackers[req.rid], *map(self._tracker, reqs)],

@@ -107,10 +107,10 @@ class Sequence:
         self.lenders = list(lenders)
         self.add_grants(grants)
 
-    def hand_over(self, owner: int, upto: int) -> None:
-        """Its own grants up to ``upto`` now belong to ``owner`` (``PageTable.hand_over``); it reads them by
+    def hand_over(self, owners: list[int]) -> None:
+        """Its next own grants now belong to ``owners``, one each (``PageTable.hand_over``); it reads them by
         reference."""
-        self.lenders += [owner] * (upto - self.shared)
+        self.lenders += owners
         self.add_grants([])
 
     def drop_grants(self) -> list[PageGrant]:
@@ -278,7 +278,7 @@ class Scheduler:
         batch, if there is room."""
         if len(self.running) >= self.config.max_batch:
             return False
-        scope, hit = self._lookup(seq.req)
+        hit = self._lookup(seq.req)
         fresh = self.config.pages_for(seq.req.prompt_len) - len(hit)
         room = self.pages.num_free + (self.cache.evictable(hit) if self.cache is not None else 0)
         if room < fresh + len(self.running):  # keep a growth page per running request
@@ -286,19 +286,19 @@ class Scheduler:
                 return False
         self.waiting.remove(seq)
         if hit:
-            self.cache.lend(scope, hit, seq.rid)
-            seq.borrow([self.cache.owner(scope)] * len(hit), hit)
+            seq.borrow(self.cache.lend(hit, seq.rid), hit)
         seq.num_computed = seq.cached = len(hit) * self.config.page_size
         self.make_room(fresh)
         seq.add_grants(self.pages.grant(seq.rid, fresh))
         self.running.append(seq)
         return True
 
-    def _lookup(self, req: Request) -> tuple[bytes, list[PageGrant]]:
-        """(``req``'s cache scope, the cached pages it may read); none without a cache or when ``req`` asks for
-        its prompt's logprobs (they are computed with the prompt)."""
+    def _lookup(self, req: Request) -> list[PageGrant]:
+        """The cached pages ``req`` may read: none without a cache or when ``req`` asks for its prompt's logprobs
+        (they are computed with the prompt)."""
         if self.cache is None or req.params.prompt_logprobs is not None:
-            return b"", []
+            return []
+        ps = self.config.page_size
         scope = self.cache.scope(req.tenant, req.cache_salt)
-        keys = self.cache.keys(scope, req.prompt_ids[: self.hit_pages(req.prompt_len) * self.config.page_size])
-        return scope, self.cache.match(keys)
+        keys = self.cache.keys(scope, req.prompt_ids[: self.hit_pages(req.prompt_len) * ps], req.public_tokens // ps)
+        return self.cache.match(keys)

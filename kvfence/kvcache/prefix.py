@@ -24,6 +24,11 @@ Contracts:
 - The tenant and the salt are in every key (``scoped``): a tenant never hits, and so never times, another
   tenant's pages. ``scoped=False`` (``KVFENCE_UNSAFE=prefix_scope``, for the test that shows the harm) leaves
   them out, as vLLM does without a salt.
+- Public prefixes: the first ``public_pages`` pages of a prompt that starts with a prefix an admin published
+  (the router says how many tokens: ``Request.public_tokens``) are keyed under ``public_scope`` instead of the
+  tenant's, and owned by its cache owner (``public_owner``, so their tags say they are public). Every tenant
+  reads them; the pages after them stay in the tenant's scope, chained from the public keys. Only the router
+  decides what is public: a tenant cannot key a page outside its own scope.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class PrefixCache:
         self.key_of: dict[int, bytes] = {}  # cached page -> its key
         self.owners: set[int] = set()  # every cache owner this cache has used
         self.evictions = 0  # pages evicted so far
+        self.public_scope = _digest(b"public prefix", model_id.encode())  # no tenant's scope: it has 3 parts
+        self.public_owner = self.owner(self.public_scope)
 
     # -- keys ------------------------------------------------------------------
 
@@ -70,14 +77,20 @@ class PrefixCache:
         """The page-table owner of ``scope``'s cached pages: nonzero, 128 bits."""
         return int.from_bytes(_digest(b"prefix cache owner", scope), "big") or 1
 
-    def keys(self, scope: bytes, tokens: Sequence[int]) -> list[bytes]:
-        """One key per full page of ``tokens``."""
+    def keys(self, scope: bytes, tokens: Sequence[int], public_pages: int = 0) -> list[bytes]:
+        """One key per full page of ``tokens``: the first ``public_pages`` in the public scope, the rest in
+        ``scope``."""
         ids = np.asarray(tokens, dtype="<i8")
         keys, prev = [], _ROOT
         for i in range(len(ids) // self.page_size):
-            prev = _digest(scope, prev, ids[i * self.page_size : (i + 1) * self.page_size].tobytes())
+            page_scope = self.public_scope if i < public_pages else scope
+            prev = _digest(page_scope, prev, ids[i * self.page_size : (i + 1) * self.page_size].tobytes())
             keys.append(prev)
         return keys
+
+    def page_owners(self, scope: bytes, n: int, public_pages: int = 0) -> list[int]:
+        """The cache owner of each of the first ``n`` pages keyed by ``keys(scope, ..., public_pages)``."""
+        return [self.public_owner] * min(n, public_pages) + [self.owner(scope)] * max(0, n - public_pages)
 
     # -- queries ---------------------------------------------------------------
 
@@ -98,22 +111,26 @@ class PrefixCache:
 
     # -- transitions -------------------------------------------------------------
 
-    def lend(self, scope: bytes, grants: Sequence[PageGrant], holder: int) -> None:
-        """``holder`` takes a reference to ``grants`` (a ``match`` of ``scope``'s keys); they become the most
-        recently used, the first page last, so a chain's later pages are evicted before its earlier ones."""
-        self.pages.share(self.owner(scope), list(grants), holder)
+    def lend(self, grants: Sequence[PageGrant], holder: int) -> list[int]:
+        """``holder`` takes a reference to ``grants`` (a ``match``); they become the most recently used, the
+        first page last, so a chain's later pages are evicted before its earlier ones. Returns each page's owner
+        (whom its tags name)."""
+        lenders = [self.held[g.page] for g in grants]
+        for owner, grant in zip(lenders, grants, strict=True):
+            self.pages.share(owner, [grant], holder)
         self._touch(grants)
+        return lenders
 
-    def insert(self, scope: bytes, keys: Sequence[bytes], holder: int, grants: Sequence[PageGrant]) -> int:
+    def insert(self, keys: Sequence[bytes], owners: Sequence[int], holder: int, grants: Sequence[PageGrant]) -> int:
         """Cache ``grants`` (pages ``holder`` owns and has computed: full, verified, no write in flight) under
-        ``keys``, one each, from the first; stops at the first key already cached (another request computed the
-        same pages). ``holder`` keeps reading the pages it handed over by reference. Returns how many it cached."""
-        owner = self.owner(scope)
-        self.owners.add(owner)
-        assert len(keys) == len(grants)
+        ``keys``, one each, from the first, each handed over to its entry of ``owners`` (``page_owners``); stops
+        at the first key already cached (another request computed the same pages). ``holder`` keeps reading the
+        pages it handed over by reference. Returns how many it cached."""
+        assert len(keys) == len(owners) == len(grants)
         n = next((i for i, key in enumerate(keys) if key in self.entries), len(keys))
-        self.pages.hand_over(holder, list(grants[:n]), owner)
-        for key, grant in zip(keys[:n], grants[:n], strict=True):
+        for key, owner, grant in zip(keys[:n], owners[:n], grants[:n], strict=True):
+            self.pages.hand_over(holder, [grant], owner)
+            self.owners.add(owner)
             self.entries[key] = grant
             self.held[grant.page], self.key_of[grant.page] = owner, key
         self._touch(grants[:n])

@@ -470,7 +470,7 @@ class RouterCore:
         return [
             Send(decode, Admit(rid, req.tenant, req.prompt_ids, params, prefill, req.weight)),
             Send(prefill, Prefill(rid, req.tenant, req.prompt_ids, params, decode, idle_pair, req.weight,
-                                  req.cache_salt)),
+                                  req.cache_salt, req.public_tokens)),
         ]
 
     def _output_reserve(self, req: Request) -> int:

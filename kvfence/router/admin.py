@@ -7,6 +7,9 @@ key; errors in OpenAI's format):
   naming the tenants still allowed; ``POST /admin/models/{model}/public``.
 - ``GET /admin/workers``; ``POST /admin/workers/{worker}/drain`` and ``.../undrain``, where ``worker`` is a
   worker id (URL-encoded: ids are ZeroMQ addresses) or its ``index`` in ``GET /admin/workers``.
+- ``GET /admin/prefixes``; ``POST /admin/prefixes`` with ``{"messages": [...]}`` (rendered with the chat template,
+  no generation prompt) or ``{"prompt": text or token ids}`` publishes a prefix every tenant's cached pages may
+  share (``router/prefixes.py``); ``DELETE /admin/prefixes/{id}`` withdraws it.
 
 Contracts:
 
@@ -19,9 +22,10 @@ Contracts:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, NamedTuple, Protocol, runtime_checkable
 
 from fastapi import APIRouter, Depends, Request
@@ -31,6 +35,7 @@ from kvfence.core import InvalidRequest, NotFound, RequestOutput, ServiceUnavail
 from kvfence.core import Request as EngineRequest
 from kvfence.engine.client import EngineClient
 from kvfence.router.edge import path_param
+from kvfence.router.prefixes import PublicPrefixes
 from kvfence.router.schemas import invalid_request, strict_json
 from kvfence.router.tenants import Tenants
 
@@ -157,8 +162,10 @@ class PrivateBody(BaseModel):
     tenants: list[str] = []
 
 
-def admin_router(engine: ManagedEngine, access: ModelAccess) -> APIRouter:
-    """The ``/admin`` routes over ``engine``'s workers and the ``access`` rules of its model."""
+def admin_router(engine: ManagedEngine, access: ModelAccess, prefixes: PublicPrefixes,
+                 prefix_ids: Callable[[bytes], list[int]]) -> APIRouter:
+    """The ``/admin`` routes over ``engine``'s workers, the ``access`` rules of its model and its published
+    ``prefixes``; ``prefix_ids`` turns a publish body into tokens (called off the event loop)."""
     router = APIRouter(prefix="/admin")
 
     @router.get("/models")
@@ -195,6 +202,27 @@ def admin_router(engine: ManagedEngine, access: ModelAccess) -> APIRouter:
     @router.post("/workers/{worker:path}/undrain")
     async def undrain(worker: str, admin: Admin) -> dict:
         return _set_drained(engine, worker, False, admin)
+
+    @router.get("/prefixes")
+    async def list_prefixes(_: Admin) -> dict:
+        return {"object": "list", "data": [p.describe() for p in prefixes]}
+
+    @router.post("/prefixes")
+    async def publish(http: Request, admin: Admin) -> dict:
+        ids = await asyncio.to_thread(prefix_ids, await http.body())
+        prefix = prefixes.publish(ids, admin)
+        log.info("admin %s published prefix %s (%d tokens)", admin, prefix.id, len(ids))
+        return prefix.describe()
+
+    @router.delete("/prefixes/{prefix_id}")
+    async def withdraw(prefix_id: str, admin: Admin) -> dict:
+        try:
+            prefix = prefixes.withdraw(prefix_id)
+        except KeyError:
+            raise NotFound(f"No published prefix `{prefix_id}`; see GET /admin/prefixes.", param="prefix_id",
+                           code="prefix_not_found") from None
+        log.info("admin %s withdrew prefix %s", admin, prefix.id)
+        return {"id": prefix.id, "object": "prefix", "deleted": True}
 
     return router
 

@@ -71,6 +71,7 @@ from kvfence.router.fair import FairPool
 from kvfence.router.ledger import Ledger, RequestEnd
 from kvfence.router.limits import EdgeLimits
 from kvfence.router.metrics import CONTENT_TYPE, Metrics
+from kvfence.router.prefixes import PublicPrefixes
 from kvfence.router.responses import DONE, Format, Tokens, error_body, finish_with_calls, sse
 from kvfence.router.schemas import (
     ChatCompletionRequest,
@@ -78,6 +79,7 @@ from kvfence.router.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateBody,
+    PublishPrefixRequest,
     TokenizeRequest,
     invalid_request,
     parse_body,
@@ -106,13 +108,13 @@ def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants, audit: Au
     access = ModelAccess()
     max_bytes = limits.request_bytes(engine.max_context)
     server = OpenAIServer(engine, tokenizer, access, Ledger(engine, metrics, audit or AuditLog.null()),
-                          FairPool(PENDING_BODIES_PER_TENANT * max_bytes))
+                          FairPool(PENDING_BODIES_PER_TENANT * max_bytes), PublicPrefixes())
     docs = {} if limits.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="kvfence", summary="Multi-tenant OpenAI-compatible LLM serving", redirect_slashes=False,
                   **docs)
     gate = app.state.gate = Gate(tenants, FailedLogins(metrics.auth_failures))
     app.state.tenants = tenants
-    app.include_router(admin_router(engine, access))
+    app.include_router(admin_router(engine, access, server.prefixes, server.prefix_ids))
     app.add_middleware(EdgeGuard, max_request_bytes=max_bytes, body_timeout=limits.body_timeout)
     app.add_middleware(InternalErrors)
     app.add_exception_handler(KvfenceError, _on_kvfence_error)
@@ -241,8 +243,9 @@ class OpenAIServer:
     """Turns request bodies into engine requests and engine outputs into responses."""
 
     def __init__(self, engine: ManagedEngine, tokenizer: Any, access: ModelAccess, ledger: Ledger,
-                 prepare: FairPool) -> None:
+                 prepare: FairPool, prefixes: PublicPrefixes) -> None:
         self.engine = engine
+        self.prefixes = prefixes
         self.tokenizer = tokenizer
         self.access = access
         self.ledger = ledger
@@ -337,6 +340,23 @@ class OpenAIServer:
         strs = [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.engine.max_context, "tokens": ids, "token_strs": strs}
 
+    def prefix_ids(self, raw: bytes) -> list[int]:
+        """On a worker thread: the tokens of a ``POST /admin/prefixes`` body, as a request that starts with the
+        prefix would begin (see ``PublishPrefixRequest``); checked against the context."""
+        body = parse_body(raw, PublishPrefixRequest)
+        if body.model is not None and body.model != self.engine.model_name:
+            raise NotFound(f"The model `{body.model}` does not exist.", param="model")
+        if body.messages is not None:
+            ids = self._encode(self._chat_text(body.messages, None, add_generation_prompt=False))
+        elif isinstance(body.prompt, str):
+            ids = self._encode(body.prompt)
+        else:
+            ids = self._checked_ids(body.prompt)
+        if len(ids) >= self.engine.max_context:
+            raise InvalidRequest(f"The prefix has {len(ids)} tokens; a request must fit it and at least one more "
+                                 f"in the context of {self.engine.max_context}.", param="prompt")
+        return ids
+
     def detokenize(self, tenant: str, raw: bytes) -> dict:
         """On a worker thread: ``/detokenize``'s answer for ``raw`` (a ``DetokenizeRequest``)."""
         body = parse_body(raw, DetokenizeRequest)
@@ -368,7 +388,8 @@ class OpenAIServer:
         for param, ids in named.items():
             if ids:
                 self._checked_ids(list(ids), param=param)
-        return EngineRequest(job.prompt_ids, params, tenant=call.tenant, rid=call.rid, cache_salt=body.cache_salt)
+        return EngineRequest(job.prompt_ids, params, tenant=call.tenant, rid=call.rid, cache_salt=body.cache_salt,
+                             public_tokens=self.prefixes.match(job.prompt_ids))
 
     async def _complete(self, http: Request, gen: Generation, fmt: Format, job: Job) -> Response:
         gone = False

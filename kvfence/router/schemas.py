@@ -495,6 +495,21 @@ class TokenizeRequest(BaseModel):
             raise InvalidRequest("Give either 'prompt' or 'messages'.", param="prompt")
 
 
+class PublishPrefixRequest(BaseModel):
+    """``POST /admin/prefixes``: a ``prompt`` as a completion would see it, or ``messages`` through the chat
+    template without a generation prompt (a chat's opening, as every chat that starts with it renders it)."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    prompt: str | list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("Give either 'prompt' or 'messages'.", param="prompt")
+
+
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize`` in vLLM's shape."""
 

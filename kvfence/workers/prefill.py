@@ -278,7 +278,7 @@ class PrefillWorker(WorkerBase):
     def _start(self, start: StartPrefill) -> list[Action]:
         req = self.core.reqs[start.rid].msg
         request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid,
-                          weight=req.weight, cache_salt=req.cache_salt)
+                          weight=req.weight, cache_salt=req.cache_salt, public_tokens=req.public_tokens)
         try:
             descriptor = self.decodes[start.decode]
             dest = dest_layout(self.runner.pool.layout, descriptor)
