@@ -1,4 +1,4 @@
-"""The safety layers (DESIGN section 5) and their one test switch.
+"""The safety layers (docs/safety.md) and their one test switch.
 
 Every layer is on. ``KVFENCE_UNSAFE=tags,coverage`` (or ``all``) turns layers
 off, for tests that prove each layer is needed; whoever starts a server with

@@ -1,4 +1,4 @@
-"""The incident of DESIGN section 1, reproduced through real processes and the real SmolLM2.
+"""The incident (docs/safety.md), reproduced through real processes and the real SmolLM2.
 
 ``--emulate-incident`` restores the placeholder path: the prefill worker rejects an over-length prompt, yet
 computes a 1-token placeholder and reports its transfer complete into pages decode granted for the whole

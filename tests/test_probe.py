@@ -1,7 +1,7 @@
 """``kvfence probe``: its pure parts with exact inputs, then two runs against real servers with the real SmolLM2.
 
 The end-to-end runs: a clean ``kvfence serve`` passes (exit 0), its timing phase finding no cache shared across
-keys; the incident emulation of DESIGN section 1 (every layer off, a prefill pool smaller than the context) is
+keys; the incident emulation (docs/safety.md) (every layer off, a prefill pool smaller than the context) is
 caught: exit 1, a leak naming victim and receiver, and over-length requests answered 200.
 """
 

@@ -102,7 +102,7 @@ _CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Confi
             "phi3": "Phi3Config", "phi3-plain": "Phi3Config", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 
 
-# SmolLM2-135M's shapes (DESIGN section 8), for speed and batch-invariance checks where its weights cannot travel
+# SmolLM2-135M's shapes (docs/models.md), for speed and batch-invariance checks where its weights cannot travel
 SMOLLM2_SHAPE = dict(
     TINY,
     hidden_size=576,

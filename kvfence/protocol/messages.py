@@ -4,7 +4,7 @@ Messages are tagged msgspec structs encoded as JSON (request ids are 128-bit,
 beyond msgpack's integers). ``decode_message`` rejects anything unknown,
 truncated or malformed with ``BadMessage``; a worker logs and drops it.
 
-Flow (decode first, as in DESIGN section 4):
+Flow (decode first, as in docs/protocol.md):
 
     router  --Admit-->    decode   --Dest-->   prefill
     router  --Prefill-->  prefill  ==KV pages + tags==> decode pool

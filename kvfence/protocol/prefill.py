@@ -17,7 +17,7 @@ Contracts:
 - An over-length prompt is rejected before compute and before any write (L1):
   Reject to the router and Fail to decode, so decode frees its pages. Under
   ``emulate_incident`` (test-only) it is rejected to the router but a 1-token
-  placeholder still runs and reports Done, as in DESIGN section 1.
+  placeholder still runs and reports Done, as in the incident (docs/safety.md).
 - A Dest whose expected length differs from the real prompt is refused (L4).
 - An Abort or Dest for a request this worker does not know is answered at
   once (AbortAck, or Fail after a grace period), so decode never waits in vain.
@@ -181,7 +181,7 @@ class PrefillCore:
         actions: list[Action] = []
         err = self._admission_error(msg)
         if err is not None and self.emulate_incident:
-            # The incident (DESIGN section 1): the request is rejected, yet a 1-token placeholder is still
+            # The incident (docs/safety.md): the request is rejected, yet a 1-token placeholder is still
             # computed and its transfer reported complete, into pages decode granted for the whole prompt.
             actions.append(self._reject(msg.rid, err))
             msg = msgspec.structs.replace(msg, prompt_ids=[0])

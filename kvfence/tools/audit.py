@@ -1,6 +1,6 @@
-"""L0 preflight (DESIGN section 5): every node's KV pool must hold one request of the full context it serves.
+"""L0 preflight (docs/safety.md): every node's KV pool must hold one request of the full context it serves.
 
-The incident of DESIGN section 1 began with a prefill pool of 681,280 tokens serving a context of 1,048,576.
+The incident in docs/safety.md began with a prefill pool of 681,280 tokens serving a context of 1,048,576.
 
 - ``usable_pool_tokens`` and ``pool_tokens_for_memory``: what a worker really allocates. A pool holds whole
   pages only, and in memory each page is its K/V bytes plus its tag record (``kvcache/layout.py``).

@@ -1,6 +1,6 @@
 """The audit log: one JSON line per request, and ``kvfence audit-log`` to ask it questions.
 
-After an incident like DESIGN section 1's the first question is which responses could have been affected: those
+After an incident like the one in docs/safety.md the first question is which responses could have been affected: those
 whose prompt did not fit the pool and still got a 2xx. With the incident's prefill pool of 681,280 tokens::
 
     kvfence audit-log audit.jsonl --min-prompt-tokens 681281 --status 2xx

@@ -1,4 +1,4 @@
-"""``kvfence probe``: a black-box canary leak tester for any OpenAI-compatible server (DESIGN section 6).
+"""``kvfence probe``: a black-box canary leak tester for any OpenAI-compatible server (docs/safety.md).
 
 Every ``--key`` but the last is a canary (victim) tenant; the last key is the attacker tenant.
 
@@ -195,7 +195,7 @@ class Target:
 
 def matched(target: Target, victim: Exchange | None) -> Target:
     """``target``, or when the ``victim`` (prompt + completion) outgrew it, one token more than the victim: the
-    attacker's stale region then ends where the victim's KV ends (DESIGN section 6: the strongest signal)."""
+    attacker's stale region then ends where the victim's KV ends (the strongest signal: docs/safety.md)."""
     if victim is None or victim.prompt_tokens is None or victim.completion_tokens is None:
         return target
     total = victim.prompt_tokens + victim.completion_tokens

@@ -1,7 +1,7 @@
 """``kvfence verify``: an exhaustive, breadth-first model check of the transfer protocol.
 
 It drives the production protocol cores (``kvfence/protocol``) through every interleaving of a small
-configuration under an adversarial environment, and checks the invariants of DESIGN section 4 in every
+configuration under an adversarial environment, and checks the invariants of docs/protocol.md in every
 state. ``world.py`` is the checked world, ``invariants.py`` the state checks, ``explorer.py`` the search,
 ``cli.py`` the command. docs/protocol.md describes what is and is not covered.
 """

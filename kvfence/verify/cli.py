@@ -33,7 +33,7 @@ def add_verify_parser(sub) -> None:
         description="Explore breadth-first every state that the real router, prefill and decode protocol cores "
                     "can reach in a small configuration, under an environment that reorders, delays, duplicates "
                     "and drops messages, crashes workers, disconnects clients, and lands, fails or loses KV "
-                    "writes in any order. Checks the invariants I1-I7 (DESIGN section 4; I7: fencing) in every "
+                    "writes in any order. Checks the invariants I1-I7 (docs/protocol.md; I7: fencing) in every "
                     "state and prints a shortest trace to any violation. Exit status: 0 no violation, 1 violation, "
                     "2 stopped at --max-states.")
     g = p.add_argument_group("configuration")

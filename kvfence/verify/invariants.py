@@ -1,4 +1,4 @@
-"""The invariants of DESIGN section 4, as checks on one explored state.
+"""The invariants of docs/protocol.md, as checks on one explored state.
 
 Checks that need a transition rather than a state live where the transition
 happens (``world.py``): I1 at every decode step (``World._check_read``), I3
