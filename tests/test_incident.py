@@ -61,7 +61,10 @@ def alice_then_bob(server: Server) -> openai.APIResponse:
 
 def test_every_layer_off_leaks_alices_kv_into_bobs_200(tenants):
     with Server(*INCIDENT_FLAGS, tenants, env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
-        assert server.health("sk-admin")["safety_layers_off"]  # announced in /health's detail, to admins
+        health = server.health("sk-admin")  # announced in /health's detail, to admins, by every process
+        assert health["safety_layers_off"]
+        assert {w["role"]: w["safety_layers_off"] for w in health["workers"].values()} == {
+            "prefill": health["safety_layers_off"], "decode": health["safety_layers_off"]}
         raw = alice_then_bob(server)
         text = raw.parse().choices[0].message.content
         assert raw.status_code == 200  # the wrong status: bob's prompt is over the prefill pool

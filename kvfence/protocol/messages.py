@@ -223,6 +223,7 @@ class Hello(Msg, frozen=True):
     prompt_tokens_computed: int = 0  # prompt positions whose K/V this worker computed since it started
     cached_pages: int = 0  # pages its prefix cache holds (those no request reads count in free_pages too)
     cache_evictions: int = 0  # pages its prefix cache evicted since it started
+    safety_off: list[str] = []  # the safety layers this worker runs with switched off (``KVFENCE_UNSAFE``)
 
 
 class Peers(Msg, frozen=True):

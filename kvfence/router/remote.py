@@ -105,7 +105,7 @@ class RemoteEngine:
                 "drained": h.worker in self.core.drained, "suspected": h.worker in self.core.suspected,
                 "epoch": self.core.epochs.get(h.worker, 0), "cpu": h.cpu, "backend": h.backend,
                 "prompt_tokens_computed": h.prompt_tokens_computed, "cached_pages": h.cached_pages,
-                "cache_evictions": h.cache_evictions}
+                "cache_evictions": h.cache_evictions, "safety_layers_off": h.safety_off}
 
     # -- admin ----------------------------------------------------------------------
 

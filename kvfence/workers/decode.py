@@ -63,7 +63,8 @@ class DecodeWorker(WorkerBase):
                      queued_tokens=len(self.core.waiting), running=len(sched.running), pid=os.getpid(),
                      quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(), total_pages=pages.num_pages, cpu=self.cpu,
-                     backend=self.backend, prompt_tokens_computed=self._engine.prompt_tokens_computed)
+                     backend=self.backend, prompt_tokens_computed=self._engine.prompt_tokens_computed,
+                     safety_off=self.safety.disabled)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, WorkerDown):

@@ -212,7 +212,8 @@ class PrefillWorker(WorkerBase):
                      quarantine_reasons=pages.quarantine_reasons(),
                      total_pages=pages.num_pages, cpu=self.cpu,
                      backend=self.backend, prompt_tokens_computed=self.runner.prompt_tokens_computed,
-                     cached_pages=len(cache.entries) if cache else 0, cache_evictions=cache.evictions if cache else 0)
+                     cached_pages=len(cache.entries) if cache else 0, cache_evictions=cache.evictions if cache else 0,
+                     safety_off=self.safety.disabled)
 
     def on_message(self, sender: str, msg, now: float) -> list[Action]:
         if isinstance(msg, Peers):
