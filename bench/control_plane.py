@@ -27,9 +27,9 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvfence.channel import Channel, connect_push  # noqa: E402
 from kvfence.cluster import ClusterKey  # noqa: E402
 from kvfence.protocol.messages import Output, encode_message  # noqa: E402
-from kvfence.workers.channel import Channel, connect_push  # noqa: E402
 
 MESSAGE = encode_message("tcp://10.0.0.2:5551", Output(2**127 + 12345, [1234], " token", completion_tokens=17))
 

@@ -324,7 +324,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.mode == "colocated":
         return serve_colocated(args)
     from kvfence.cluster import ClusterKey
-    from kvfence.tools.audit import refuse_to_start_unless_fits
+    from kvfence.preflight import refuse_to_start_unless_fits
     from kvfence.workers.supervisor import Supervisor, private_socket_dir
 
     key = cluster_key_or_exit(args, {}) or ClusterKey.generate()
@@ -363,7 +363,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from kvfence.model.describe import describe_model
-    from kvfence.tools.audit import refuse_to_start_unless_fits
+    from kvfence.preflight import refuse_to_start_unless_fits
     from kvfence.workers.supervisor import run_worker
 
     key = cluster_key_or_exit(args, {"--router": args.router, "--bind": args.bind, "--advertise": args.advertise})
@@ -413,8 +413,8 @@ def serve_colocated(args: argparse.Namespace) -> int:
     from kvfence.engine.engine import Engine
     from kvfence.engine.local import LocalEngine
     from kvfence.model.memory import freeze_loaded_objects
+    from kvfence.preflight import refuse_to_start_unless_fits
     from kvfence.router.queued import QueuedEngine
-    from kvfence.tools.audit import refuse_to_start_unless_fits
 
     tenants = load_tenants(args)
     loaded, max_context = load(args)
@@ -556,13 +556,13 @@ def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_co
 def run_http(args: argparse.Namespace, engine, tokenizer, tenants, supervisor) -> int:
     """Serve the OpenAI API until Ctrl-C or SIGTERM; supervise local workers meanwhile."""
 
+    from kvfence.auditlog import AuditLog
     from kvfence.cluster import is_loopback
     from kvfence.router.app import create_app
     from kvfence.router.edge import uvicorn_config
     from kvfence.router.lifecycle import DrainingServer
     from kvfence.router.limits import EdgeLimits
     from kvfence.safety import Safety
-    from kvfence.tools.auditlog import AuditLog
 
     banner = Safety.from_env().banner()
     if banner:

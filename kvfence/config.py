@@ -94,6 +94,7 @@ class EngineConfig:
     step_tokens: int = 512  # prefill tokens at most per step (budget, whole chunks)
     fair: bool = True  # tenants' fair share orders admissions and preemption (False: first come, first served)
     prefix_caching: bool = False  # reuse the KV of prompt prefixes, per tenant (``kvcache/prefix.py``; serve: on)
+    role: str = "colocated"  # "colocated", "prefill" or "decode": names the node in the L0 preflight's error
 
     @property
     def num_pages(self) -> int:

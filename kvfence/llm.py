@@ -95,7 +95,7 @@ class LLM:
         from kvfence.engine.engine import Engine
         from kvfence.model import kernels
         from kvfence.model.loader import load_model
-        from kvfence.tools.audit import PreflightError, preflight, usable_pool_tokens
+        from kvfence.preflight import PreflightError
 
         torch_dtype = getattr(torch, dtype)
         self.loaded = load_model(model, dtype=torch_dtype, device=device)
@@ -105,14 +105,13 @@ class LLM:
         if not 0 < max_context <= limit:
             raise ValueError(f"max_model_len {max_context} must be between 1 and the model's context ({limit})")
         pool = kv_pool_tokens or default_pool_tokens(max_context, "colocated")
-        try:
-            preflight("colocated", usable_pool_tokens(pool, page_size), max_context, page_size=page_size)
-        except PreflightError as err:
-            raise ValueError(err.message) from None
         config = EngineConfig(max_context=max_context, kv_pool_tokens=pool, page_size=page_size,
                               max_batch=max_batch, chunk_size=chunk_size, step_tokens=chunk_size,
                               prefix_caching=enable_prefix_caching)
-        self.engine = Engine(self.loaded.model, self.tokenizer, config, torch_dtype, device)
+        try:
+            self.engine = Engine(self.loaded.model, self.tokenizer, config, torch_dtype, device)
+        except PreflightError as err:  # L0, run by the engine
+            raise ValueError(err.message) from None
         kernels.release_thread_pool()  # generate() may run in another thread than this one
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from kvfence.auditlog import AuditLog, read_records
 from kvfence.core import Request, SamplingParams
 from kvfence.protocol.actions import Deliver, Send
 from kvfence.protocol.messages import Hello, Output
@@ -25,7 +26,6 @@ from kvfence.router.app import create_app
 from kvfence.router.remote import RemoteEngine
 from kvfence.router.tenants import TenantConfigError, Tenants
 from kvfence.safety import Safety
-from kvfence.tools.auditlog import AuditLog, read_records
 from kvfence.workers.supervisor import free_tcp_address
 from tests.server import Server
 from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body

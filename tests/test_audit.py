@@ -20,14 +20,8 @@ from tiny_models import TINY, tiny_model_dir
 from kvfence.cli import main
 from kvfence.config import ModelConfig
 from kvfence.kvcache.layout import TAG_BYTES, KVLayout
-from kvfence.tools.audit import (
-    PreflightError,
-    describe,
-    parse_bytes,
-    pool_tokens_for_memory,
-    preflight,
-    usable_pool_tokens,
-)
+from kvfence.preflight import PreflightError, pool_tokens_for_memory, preflight, usable_pool_tokens
+from kvfence.tools.audit import describe, parse_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB, MIB = 2**30, 2**20
@@ -114,6 +108,24 @@ def test_preflight_passes_a_pool_that_holds_the_context_and_rounds_its_fix_up_to
         preflight("decode", 992, 1000, page_size=16)
     with pytest.raises(PreflightError, match="raise --kv-pool-tokens to at least 4096 "):
         preflight("colocated", 4080, 4096)
+
+
+def test_an_engine_built_in_code_runs_the_preflight_and_only_the_switch_lets_it_start():
+    """L0 is on the serving path, not only on the command line: every engine (colocated, prefill, decode) checks its
+    own pool when it is built."""
+    import torch
+
+    from kvfence.config import EngineConfig
+    from kvfence.engine.engine import Engine
+    from kvfence.model.loader import load_model
+    from kvfence.safety import Safety
+
+    tiny = load_model(str(tiny_model_dir("llama")), dtype=torch.float32)
+    config = EngineConfig(max_context=256, kv_pool_tokens=128, page_size=16, role="decode")
+    with pytest.raises(PreflightError, match="the decode KV pool holds 128 tokens, fewer than the context of 256"):
+        Engine(tiny.model, tiny.tokenizer, config, torch.float32, safety=Safety())
+    engine = Engine(tiny.model, tiny.tokenizer, config, torch.float32, safety=Safety(preflight=False))
+    assert engine.token_limit == 128  # L1 then bounds every request by the pool
 
 
 # -- kvfence audit: a planned deployment -------------------------------------------------------------------

@@ -10,8 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvfence.auditlog import AuditLog, AuditRecord, read_records, rid_hex
 from kvfence.cli import main
-from kvfence.tools.auditlog import AuditLog, AuditRecord, Query, parse_status, parse_time, read_records, rid_hex
+from kvfence.tools.auditlog import Query, parse_status, parse_time
 
 T0 = 1_790_000_000.0  # 2026-09-21T14:13:20Z
 POOL = 681_280  # the incident's prefill pool

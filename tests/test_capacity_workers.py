@@ -111,14 +111,14 @@ def test_decode_preempts_the_flooding_tenant_and_reports_it(model):
     three requests and alice's one are sent at once (the router's reservations off, as for outputs beyond them):
     decode preempts only bob's, recomputes them itself, and each last Output says how often; every output equals
     the request's output alone."""
-    pair = Pair(model, max_context=512, prefill_pool=2048, decode_pool=384, limits=UNGATED)
+    pair = Pair(model, max_context=384, prefill_pool=2048, decode_pool=384, limits=UNGATED)
     prompts = {tenant: [[300 + 11 * n + i for i in range(16)] for n in range(count)]
                for tenant, count in (("bob", 3), ("alice", 1))}
     rids = {pair.submit(p, max_tokens=100, tenant=t): (t, p) for t in ("bob", "alice") for p in prompts[t]}
     pair.run()
     by_tenant = {t: [pair.results[r].preemptions for r, (tt, _) in rids.items() if tt == t] for t in prompts}
     assert by_tenant["alice"] == [0] and sum(by_tenant["bob"]) >= 1
-    alone = Pair(model, max_context=512, prefill_pool=2048, decode_pool=2048)
+    alone = Pair(model, max_context=384, prefill_pool=2048, decode_pool=2048)
     for rid, (_, prompt) in rids.items():
         ref = alone.submit(prompt, max_tokens=100)
         alone.run([ref])

@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kvfence.channel import Channel, connect_push
 from kvfence.cluster import ClusterKey, ClusterKeyError, is_local, key_from, require_key_beyond_loopback
 from kvfence.core import Request, SamplingParams
 from kvfence.protocol.messages import Done, ErrorInfo, Hello, Output, Reject, encode_message
 from kvfence.router.remote import RemoteEngine
 from kvfence.safety import Safety
-from kvfence.workers.channel import Channel, connect_push
 from kvfence.workers.supervisor import free_tcp_address
 from tests.server import ROOT
 
@@ -204,7 +204,7 @@ def test_members_talk_and_outsiders_deliver_nothing(caplog):
     keyless = Channel("tcp://127.0.0.1:0")
     ctx = zmq.Context()
     rogues = rogue_sockets(ctx, inbox.me, key)
-    caplog.set_level(logging.WARNING, logger="kvfence.workers.channel")
+    caplog.set_level(logging.WARNING, logger="kvfence.channel")
     try:
         for ch in (member, stranger, keyless):
             ch.send(inbox.me, hello(ch.me, "prefill"))
@@ -374,7 +374,7 @@ def test_rogue_worker_processes_never_join_and_receive_no_prompt(tmp_path, caplo
     key_file, other_file = tmp_path / "cluster.key", tmp_path / "other.key"
     ClusterKey.generate().write(key_file)
     ClusterKey.generate().write(other_file)
-    caplog.set_level(logging.WARNING, logger="kvfence.workers.channel")
+    caplog.set_level(logging.WARNING, logger="kvfence.channel")
     router = Router(ClusterKey.load(key_file))
     logs = {name: tmp_path / f"{name}.log" for name in ("prefill", "decode", "keyless", "stranger")}
     procs = {

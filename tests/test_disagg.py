@@ -171,8 +171,8 @@ def test_killed_decode_worker_fails_its_requests_fast_and_comes_back(four_worker
 
 def test_malformed_control_messages_are_dropped_not_fatal(four_workers, cluster_key):
     """Junk from a member of the cluster (outsiders do not get through at all: tests/test_cluster.py)."""
+    from kvfence.channel import connect_push
     from kvfence.cluster import ClusterKey
-    from kvfence.workers.channel import connect_push
 
     worker, info = next(iter(workers(four_workers, "prefill").items()))
     sock = connect_push(zmq.Context.instance(), worker, ClusterKey.load(cluster_key))

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from kvfence.auditlog import AuditLog, AuditRecord, read_records
 from kvfence.core import Request, RequestOutput, SamplingParams, ServiceUnavailable
 from kvfence.protocol.router import RouterCore
 from kvfence.router.app import _error_response, create_app
@@ -30,7 +31,6 @@ from kvfence.router.limits import EdgeLimits, default_max_request_bytes
 from kvfence.router.metrics import Metrics
 from kvfence.router.tenants import Tenants
 from kvfence.safety import Safety
-from kvfence.tools.auditlog import AuditLog, AuditRecord, read_records
 from tests.test_admin import ADMIN, ADMIN_KEY, ALICE, BOB, hello
 from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body, serving
 

@@ -130,7 +130,7 @@ def test_router_path_imports_no_torch():
         from kvfence import cli
         args = cli.build_parser().parse_args(["serve"])
         name, tokenizer, max_context = cli.describe(args)
-        from kvfence.tools.audit import refuse_to_start_unless_fits
+        from kvfence.preflight import refuse_to_start_unless_fits
         from kvfence.workers.supervisor import Supervisor, free_tcp_address
         cli.worker_settings(args, "prefill", free_tcp_address(), free_tcp_address(), max_context, 2 * max_context)
         from kvfence.router.app import create_app

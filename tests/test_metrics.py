@@ -14,12 +14,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvfence.auditlog import AuditLog, AuditRecord, read_records
 from kvfence.core import FinishReason, IntegrityError, RequestOutput
 from kvfence.protocol.messages import Output
 from kvfence.router.app import create_app
 from kvfence.router.metrics import Metrics
 from kvfence.router.tenants import Tenants
-from kvfence.tools.auditlog import AuditLog, AuditRecord, read_records
 from tests.test_admin import ADMIN, ADMIN_KEY, ALICE, BOB, core_with, request, tenants
 from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body, template
 

@@ -27,7 +27,7 @@ def tiny() -> LoadedModel:
 def engine(loaded: LoadedModel, caching: bool = True, pages: int = 64, chunk: int = 32,
            safety: Safety | None = None) -> Engine:
     """Chunks of 32 tokens, so prompts of ~100 tokens cross chunk boundaries and hits end inside a chunk."""
-    config = EngineConfig(max_context=1024, kv_pool_tokens=pages * PS, page_size=PS, chunk_size=chunk,
+    config = EngineConfig(max_context=min(1024, pages * PS), kv_pool_tokens=pages * PS, page_size=PS, chunk_size=chunk,
                           step_tokens=chunk, prefix_caching=caching)
     return Engine(loaded.model, loaded.tokenizer, config, torch.bfloat16, safety=safety or Safety())
 

@@ -163,6 +163,8 @@ def late_write_scenario(pair: Pair) -> tuple[object, list[int]]:
 
 
 def late_write_pair(monkeypatch, model: str, unsafe: str) -> Pair:
+    """A decode pool of 3 pages, under the context (L0 off), so C can only be granted the pages B held."""
+    unsafe = ",".join(filter(None, (unsafe, "preflight")))
     return pair_with(monkeypatch, model, unsafe, max_context=64, prefill_pool=64, decode_pool=2 * PAGE + PAGE)
 
 

@@ -209,7 +209,7 @@ def tiny():
 
 def generate(tiny, requests: list[Request], pool_tokens: int) -> dict[int, tuple[list[int], int]]:
     """Run ``requests`` (added together) to the end: per request, its tokens and its last output's preemptions."""
-    config = EngineConfig(max_context=128, kv_pool_tokens=pool_tokens, page_size=4, chunk_size=16, max_batch=8)
+    config = EngineConfig(max_context=96, kv_pool_tokens=pool_tokens, page_size=4, chunk_size=16, max_batch=8)
     engine = Engine(tiny.model, tiny.tokenizer, config, torch.float32)
     for req in requests:
         engine.add(req)

@@ -34,6 +34,7 @@ from kvfence.kvcache.prefix import PrefixCache
 from kvfence.model.batch import SeqChunk
 from kvfence.model.llama import Model
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.preflight import preflight, usable_pool_tokens
 from kvfence.safety import Safety
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class Engine:
                  remote_writes: bool = False) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.safety = safety or Safety.from_env()
+        if self.safety.preflight:  # L0: a pool that cannot hold one request of the full context never serves
+            preflight(config.role, usable_pool_tokens(config.kv_pool_tokens, config.page_size), config.max_context,
+                      page_size=config.page_size)
         self.pool = pool or KVPool(model.config, config.num_pages, config.page_size, dtype, device)
         self.region = self.pool.region if remote_writes else None
         self.pages = PageTable(config.num_pages)

@@ -50,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvfence.auditlog import AuditLog
 from kvfence.core import (
     ContextLengthExceeded,
     FinishReason,
@@ -87,7 +88,6 @@ from kvfence.router.schemas import (
 from kvfence.router.tenants import Tenants
 from kvfence.router.tools import CallStream, ToolCall, ToolUse, knows_tools
 from kvfence.safety import Safety
-from kvfence.tools.auditlog import AuditLog
 
 log = logging.getLogger("kvfence.router")
 T = TypeVar("T")

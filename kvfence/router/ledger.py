@@ -10,10 +10,10 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+from kvfence.auditlog import VERIFICATION_NA, AuditLog, AuditRecord, rid_hex
 from kvfence.core import KvfenceError, RequestOutput
 from kvfence.router.admin import LOCAL_WORKER, ManagedEngine, Route
 from kvfence.router.metrics import VERIFICATION_LAYERS, Metrics
-from kvfence.tools.auditlog import VERIFICATION_NA, AuditLog, AuditRecord, rid_hex
 
 log = logging.getLogger("kvfence.router")
 COLOCATED_VERIFICATION = "n/a (colocated)"  # no KV lands in colocated mode: nothing to verify

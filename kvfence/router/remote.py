@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from kvfence.channel import Channel
 from kvfence.cluster import ClusterKey
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.faults import Faults
@@ -30,7 +31,6 @@ from kvfence.protocol.messages import Admit, Envelope, Hello, Output
 from kvfence.protocol.router import RouterCore, WorkerInfo
 from kvfence.router.admin import RecentRoutes, Route
 from kvfence.safety import Safety
-from kvfence.workers.channel import Channel
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvfence.tools.auditlog import read_records
+from kvfence.auditlog import read_records
 from kvfence.tools.probe import NORMAL_PROMPTS, Canary, new_canary, specific_fragments
 
 if TYPE_CHECKING:  # imported where used: 'kvfence serve' needs no HTTP client

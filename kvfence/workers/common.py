@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
+from kvfence.channel import Channel, HandshakeWatch, connect_push
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import Engine
 from kvfence.faults import Faults
@@ -27,7 +28,6 @@ from kvfence.model import kernels
 from kvfence.protocol.actions import Action, Send
 from kvfence.protocol.messages import Fenced, Hello, Message, encode_message
 from kvfence.safety import Safety
-from kvfence.workers.channel import Channel, HandshakeWatch, connect_push
 from kvfence.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class WorkerBase:
         s = self.settings
         return EngineConfig(max_context=s.max_context, kv_pool_tokens=pool_tokens, page_size=s.page_size,
                             max_batch=s.max_batch, chunk_size=s.chunk_size, step_tokens=s.step_tokens,
-                            fair=s.scheduling == "fair", prefix_caching=s.prefix_caching)
+                            fair=s.scheduling == "fair", prefix_caching=s.prefix_caching, role=self.role)
 
     def set_threads(self, other_role_idle: bool) -> None:
         """With ``solo_threads``, the worker computes on that many threads while the other role idles, else on its
