@@ -149,6 +149,10 @@ class Work:
         """True when this work yields the sequence's next new token."""
         return self.end == self.seq.num_tokens
 
+    def pages_written(self, page_size: int) -> list[int]:
+        """The pages whose slots this work's K/V lands in (positions [start, end) of ``seq``)."""
+        return self.seq.page_ids[self.start // page_size : (self.end - 1) // page_size + 1]
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pages: PageTable, cache: PrefixCache | None = None) -> None:
@@ -293,6 +297,44 @@ class Scheduler:
         seq.add_grants(self.pages.grant(seq.rid, fresh))
         self.running.append(seq)
         return True
+
+    def cache_prompt(self, seq: Sequence) -> None:
+        """``seq`` computed its prompt (and passed L3 before every step of it): hand the full pages it computed
+        over to the prefix cache; it reads them on by reference. Nothing without a cache."""
+        req, ps = seq.req, self.config.page_size
+        full = req.prompt_len // ps
+        if self.cache is None or full <= seq.shared:
+            return
+        scope = self.cache.scope(req.tenant, req.cache_salt)
+        keys = self.cache.keys(scope, req.prompt_ids[: full * ps])
+        added = self.cache.insert(scope, keys[seq.shared :], seq.rid, seq.grants[seq.shared : full])
+        seq.hand_over(self.cache.owner(scope), seq.shared + added)
+
+    def attach(self, seq: Sequence, branch: Sequence, shared_write: bool = True) -> tuple[int, int, int] | None:
+        """Fork ``branch`` off ``seq``, whose prompt is computed: ``branch`` takes ``seq``'s full prompt pages by
+        reference and, with ``shared_write``, a fresh page for a copy of the partial last page (without it the
+        partial page is shared too: ``KVFENCE_UNSAFE=shared_write``); it joins the batch. Without a free page
+        for the copy, ``branch`` waits and recomputes the prompt.
+
+        Returns the copy the pool must make, ``(src_page, dst_page, tokens)``, or None (no copy)."""
+        n, ps = seq.req.prompt_len, self.config.page_size
+        full, partial = divmod(n, ps)
+        copy = partial if shared_write else 0
+        if copy and not self.make_room(1):
+            self.add(branch)
+            return None
+        lent = seq.grants[: self.config.pages_for(n) if not copy else full]
+        self.pages.share(seq.rid, lent, branch.rid)
+        branch.borrow(seq.owners[: len(lent)], lent)
+        branch.stamped = len(lent)  # the shared pages' tag records name their owner; a copy is stamped as ours
+        todo = None
+        if copy:
+            grants = self.pages.grant(branch.rid, 1)
+            todo = (seq.grants[full].page, grants[0].page, copy)
+            branch.add_grants(grants)
+        branch.num_computed = n
+        self.add_branch(branch)
+        return todo
 
     def _lookup(self, req: Request) -> tuple[bytes, list[PageGrant]]:
         """(``req``'s cache scope, the cached pages it may read); none without a cache or when ``req`` asks for
