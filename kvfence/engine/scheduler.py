@@ -32,15 +32,18 @@ Contracts:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvfence.config import EngineConfig
 from kvfence.core import Request
 from kvfence.kvcache.pages import PageGrant, PageTable
 from kvfence.kvcache.prefix import PrefixCache
 from kvfence.protocol.capacity import FairShares
+
+if TYPE_CHECKING:  # the bookkeeping runs without torch (``kvfence verify --cache`` drives it)
+    import torch
 
 
 @dataclass(eq=False)
