@@ -305,19 +305,10 @@ class CacheWorld:
     def _step(self) -> None:
         """``Engine.step`` less the model: schedule, check what the step reads and writes, then the bookkeeping
         ``Engine._sample`` does."""
-        preempted, cached = self.sched.num_preempted, dict(self.cache.held)
+        before = (list(self.sched.waiting), {q: q.preemptions for q in self.sched.running}, dict(self.cache.held))
         starved = not self.sched.running and bool(self.sched.waiting)
-        waiting = list(self.sched.waiting)
         work = self.sched.schedule()
-        self._evicted(cached)
-        if self.sched.num_preempted > preempted:
-            self.notes.add("preemption")
-            self.log.append(f"the scheduler preempts ({self.sched.num_preempted} so far)")
-        for q in waiting:
-            if q in self.sched.running:
-                self.notes.add("cache hit" if q.cached else "admission")
-                self.log.append(f"{self._name(q.rid)} is admitted: reads {q.shared} cached page(s) "
-                                f"{q.page_ids[: q.shared]}, gets pages {q.page_ids[q.shared :]}")
+        self._scheduled(*before)
         if self.sched.num_preempted > self.cfg.max_preemptions:
             self.pruned = True
             return
@@ -338,6 +329,19 @@ class CacheWorld:
         for w in work:
             if w.samples and self.seqs.get(w.seq.rid) is w.seq:
                 self._sample(w.seq)
+
+    def _scheduled(self, waiting: list[Sequence], running: dict[Sequence, int], cached: dict[int, int]) -> None:
+        """Log what ``schedule`` did besides the work: evictions for room, preemptions, admissions."""
+        self._evicted(cached)
+        for q, preemptions in running.items():
+            if q.preemptions > preemptions:
+                self.notes.add("preemption")
+                self.log.append(f"{self._name(q.rid)} is preempted: its pages go back, it will recompute")
+        for q in waiting:
+            if q in self.sched.running:
+                self.notes.add("cache hit" if q.cached else "admission")
+                self.log.append(f"{self._name(q.rid)} is admitted: reads {q.shared} cached page(s) "
+                                f"{q.page_ids[: q.shared]}, gets pages {q.page_ids[q.shared :]}")
 
     def _check_step(self, work: list[Work]) -> list[Violation]:
         """C2 for the pages each step's sequence reads, C1 for those it writes, then the writes land and C3
