@@ -137,3 +137,15 @@ def test_cli_verify_json_has_both_checks_state_counts(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["protocol"]["states"] > 1_000 and out["cache"]["states"] > 1_000
     assert out["protocol"]["violation"] is None and out["cache"]["complete"]
+
+
+def test_a_fork_whose_copy_is_never_made_reads_stale_bytes(monkeypatch):
+    attach = Scheduler.attach
+
+    def forgetful(self, seq, branch, shared_write=True):  # grants the copy's page, but the pool never copies
+        attach(self, seq, branch, shared_write)
+
+    monkeypatch.setattr(Scheduler, "attach", forgetful)
+    res = explore_cache()
+    assert res.violation is not None and res.violation.invariant == "C5", res.report()
+    assert res.violation.message.startswith("C#1 reads position"), res.report()
