@@ -243,9 +243,8 @@ class Engine:
 
     def _check_writes(self, work: list[Work]) -> None:
         """No step writes K/V into a page another sequence reads (raises ``PageError``: a bug)."""
-        ps = self.config.page_size
         for w in work:
-            self.pages.check_writable(w.seq.page_ids[w.start // ps : (w.end - 1) // ps + 1])
+            self.pages.check_writable(w.pages_written(self.config.page_size))
 
     def _stamp_new_grants(self, work: list[Work]) -> None:
         """Pages granted by the scheduler since the last step are filled by this engine: tag them as ours."""
@@ -328,17 +327,8 @@ class Engine:
         """Hook: the K/V of every ``work`` item is now in the pool."""
 
     def _cache_prompt(self, seq: Sequence) -> None:
-        """``seq`` computed its prompt (and passed L3 before every step of it): hand the full pages it computed
-        over to the prefix cache; it reads them on by reference."""
-        req, ps = seq.req, self.config.page_size
-        full = req.prompt_len // ps
-        if self.cache is None or full <= seq.shared:
-            return
-        scope, public = self.cache.scope(req.tenant, req.cache_salt), req.public_tokens // ps
-        keys = self.cache.keys(scope, req.prompt_ids[: full * ps], public)
-        owners, start = self.cache.page_owners(scope, full, public), seq.shared
-        added = self.cache.insert(keys[start:], owners[start:], seq.rid, seq.grants[start:full])
-        seq.hand_over(owners[start : start + added])
+        """``seq`` computed its prompt: its full pages go to the prefix cache (``Scheduler.cache_prompt``)."""
+        self.scheduler.cache_prompt(seq)
 
     def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput | None:
         """Hook: ``seq`` sampled ``token``. Records it, and ends the choice when it is finished."""
@@ -363,24 +353,11 @@ class Engine:
 
     def _attach(self, seq: Sequence, branch: Sequence) -> None:
         """Give ``branch`` the prompt KV of ``seq``: its full pages by reference, its partial last page as a copy
-        of its own (shared too when ``shared_write`` is off). Without a free page for the copy, ``branch`` waits
-        and recomputes the prompt."""
-        n, ps = seq.req.prompt_len, self.config.page_size
-        full, partial = divmod(n, ps)
-        copy = partial if self.safety.shared_write else 0
-        if copy and not self.scheduler.make_room(1):
-            self.scheduler.add(branch)
-            return
-        lent = seq.grants[: self.config.pages_for(n) if not copy else full]
-        self.pages.share(seq.rid, lent, branch.rid)
-        branch.borrow(seq.owners[: len(lent)], lent)
-        branch.stamped = len(lent)  # the shared pages' tag records name their owner; a copy is stamped as ours
-        if copy:
-            grants = self.pages.grant(branch.rid, 1)
-            self.pool.copy_page(seq.grants[full].page, grants[0].page, copy)
-            branch.add_grants(grants)
-        branch.num_computed = n
-        self.scheduler.add_branch(branch)
+        of its own (shared too when ``shared_write`` is off); the page bookkeeping is ``Scheduler.attach``.
+        Without a free page for the copy, ``branch`` waits and recomputes the prompt."""
+        copy = self.scheduler.attach(seq, branch, self.safety.shared_write)
+        if copy is not None:
+            self.pool.copy_page(*copy)
 
     def _as_choice(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
         """``out`` of choice ``seq`` as its request's output: the request's id, tokens counted over every choice,

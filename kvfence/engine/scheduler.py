@@ -32,15 +32,18 @@ Contracts:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvfence.config import EngineConfig
 from kvfence.core import Request
 from kvfence.kvcache.pages import PageGrant, PageTable
 from kvfence.kvcache.prefix import PrefixCache
 from kvfence.protocol.capacity import FairShares
+
+if TYPE_CHECKING:  # the bookkeeping runs without torch (``kvfence verify --cache`` drives it)
+    import torch
 
 
 @dataclass(eq=False)
@@ -148,6 +151,10 @@ class Work:
     def samples(self) -> bool:
         """True when this work yields the sequence's next new token."""
         return self.end == self.seq.num_tokens
+
+    def pages_written(self, page_size: int) -> list[int]:
+        """The pages whose slots this work's K/V lands in (positions [start, end) of ``seq``)."""
+        return self.seq.page_ids[self.start // page_size : (self.end - 1) // page_size + 1]
 
 
 class Scheduler:
@@ -292,6 +299,45 @@ class Scheduler:
         seq.add_grants(self.pages.grant(seq.rid, fresh))
         self.running.append(seq)
         return True
+
+    def cache_prompt(self, seq: Sequence) -> None:
+        """``seq`` computed its prompt (and passed L3 before every step of it): hand the full pages it computed
+        over to the prefix cache; it reads them on by reference. Nothing without a cache."""
+        req, ps = seq.req, self.config.page_size
+        full = req.prompt_len // ps
+        if self.cache is None or full <= seq.shared:
+            return
+        scope, public = self.cache.scope(req.tenant, req.cache_salt), req.public_tokens // ps
+        keys = self.cache.keys(scope, req.prompt_ids[: full * ps], public)
+        owners, start = self.cache.page_owners(scope, full, public), seq.shared
+        added = self.cache.insert(keys[start:], owners[start:], seq.rid, seq.grants[start:full])
+        seq.hand_over(owners[start : start + added])
+
+    def attach(self, seq: Sequence, branch: Sequence, shared_write: bool = True) -> tuple[int, int, int] | None:
+        """Fork ``branch`` off ``seq``, whose prompt is computed: ``branch`` takes ``seq``'s full prompt pages by
+        reference and, with ``shared_write``, a fresh page for a copy of the partial last page (without it the
+        partial page is shared too: ``KVFENCE_UNSAFE=shared_write``); it joins the batch. Without a free page
+        for the copy, ``branch`` waits and recomputes the prompt.
+
+        Returns the copy the pool must make, ``(src_page, dst_page, tokens)``, or None (no copy)."""
+        n, ps = seq.req.prompt_len, self.config.page_size
+        full, partial = divmod(n, ps)
+        copy = partial if shared_write else 0
+        if copy and not self.make_room(1):
+            self.add(branch)
+            return None
+        lent = seq.grants[: self.config.pages_for(n) if not copy else full]
+        self.pages.share(seq.rid, lent, branch.rid)
+        branch.borrow(seq.owners[: len(lent)], lent)
+        branch.stamped = len(lent)  # the shared pages' tag records name their owner; a copy is stamped as ours
+        todo = None
+        if copy:
+            grants = self.pages.grant(branch.rid, 1)
+            todo = (seq.grants[full].page, grants[0].page, copy)
+            branch.add_grants(grants)
+        branch.num_computed = n
+        self.add_branch(branch)
+        return todo
 
     def _lookup(self, req: Request) -> list[PageGrant]:
         """The cached pages ``req`` may read: none without a cache or when ``req`` asks for its prompt's logprobs

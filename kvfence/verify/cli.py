@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import re
 import sys
 import time
 
 from kvfence.safety import LAYERS, Safety
+from kvfence.verify.cache import DEFAULT_CACHE_REQUESTS, CacheConfig, CacheRequest
 from kvfence.verify.world import DECODE, FAULT_ORDER, PREFILL, CheckConfig, Faults, RequestSpec
 
 DEFAULT_REQUESTS = "C=bob:5+2,A=alice:4+2,B=bob:4+2"
@@ -24,6 +27,7 @@ FAULT_HELP = {
              "then learns it was fenced and rejoins",
 }
 DEFAULT_FAULTS = Faults()
+DEFAULT_CACHE = CacheConfig()
 
 
 def add_verify_parser(sub) -> None:
@@ -34,7 +38,9 @@ def add_verify_parser(sub) -> None:
                     "can reach in a small configuration, under an environment that reorders, delays, duplicates "
                     "and drops messages, crashes workers, disconnects clients, and lands, fails or loses KV "
                     "writes in any order. Checks the invariants I1-I7 (docs/protocol.md; I7: fencing) in every "
-                    "state and prints a shortest trace to any violation. Exit status: 0 no violation, 1 violation, "
+                    "state and prints a shortest trace to any violation. Then the same for the page bookkeeping "
+                    "of the prefix cache (the real PageTable, PrefixCache and Scheduler; invariants C1-C6): "
+                    "--cache runs only that, --no-cache skips it. Exit status: 0 no violation, 1 violation, "
                     "2 stopped at --max-states.")
     g = p.add_argument_group("configuration")
     g.add_argument("--requests", default=DEFAULT_REQUESTS,
@@ -75,7 +81,55 @@ def add_verify_parser(sub) -> None:
     e.add_argument("--progress", action="store_true", help="show progress on stderr")
     e.add_argument("--check", default="all", metavar="I1,I6",
                    help="count only these invariants; all: I1-I7 and E (a core raising)")
+    e.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    add_cache_arguments(p)
     p.set_defaults(func=cmd_verify)
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("prefix-cache pages (kvfence/verify/cache.py)")
+    which = c.add_mutually_exclusive_group()
+    which.add_argument("--cache", action="store_true", help="check only the prefix cache's page bookkeeping")
+    which.add_argument("--no-cache", action="store_true", help="skip the prefix cache's page bookkeeping")
+    c.add_argument("--cache-requests", default=format_cache_requests(DEFAULT_CACHE_REQUESTS),
+                   help="NAME=TENANT[/SALT]:TOKEN.TOKEN...+MAX_TOKENS[xN], comma separated, in arrival order")
+    c.add_argument("--cache-pages", type=int, default=DEFAULT_CACHE.pages, help="KV pool pages")
+    c.add_argument("--cache-page-size", type=int, default=DEFAULT_CACHE.page_size, help="tokens per page")
+    c.add_argument("--cache-arrival", choices=("ordered", "any"), default=DEFAULT_CACHE.arrival,
+                   help="ordered: requests arrive in the order given (other events may come between); any: in "
+                        "every order")
+    c.add_argument("--cache-evict-any-time", action="store_true",
+                   help="the cache may also evict a page no request holds at any point, not only for room")
+    c.add_argument("--cache-max-preemptions", type=int, default=DEFAULT_CACHE.max_preemptions,
+                   help="runs with more preemptions are cut off (bounds the state space)")
+    c.add_argument("--cache-max-states", type=int, default=500_000, help="stop after this many states")
+    c.add_argument("--cache-mutant", choices=("careless-evict",), default=None,
+                   help="test-only mutation: eviction that ignores refcounts (must be caught as C2)")
+
+
+def format_cache_requests(requests: tuple[CacheRequest, ...]) -> str:
+    return ",".join(r.describe() for r in requests)
+
+
+def parse_cache_requests(text: str) -> tuple[CacheRequest, ...]:
+    specs = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        m = re.fullmatch(r"(\w+)=(\w[\w-]*)(?:/([\w-]+))?:(\d+(?:\.\d+)*)\+(\d+)(?:x(\d+))?", item)
+        if m is None:
+            raise argparse.ArgumentTypeError(f"bad request {item!r}: want NAME=TENANT[/SALT]:1.2.3+MAX_TOKENS[xN]")
+        name, tenant, salt, prompt, max_tokens, n = m.groups()
+        specs.append(CacheRequest(name, tenant, tuple(map(int, prompt.split("."))), int(max_tokens),
+                                  n=int(n or 1), salt=salt))
+    return tuple(specs)
+
+
+def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
+    return dataclasses.replace(
+        DEFAULT_CACHE, requests=parse_cache_requests(args.cache_requests), pages=args.cache_pages,
+        page_size=args.cache_page_size, chunk_size=args.cache_page_size, step_tokens=args.cache_page_size,
+        arrival=args.cache_arrival, evict_any_time=args.cache_evict_any_time,
+        max_preemptions=args.cache_max_preemptions, careless_evict=args.cache_mutant == "careless-evict",
+        safety=Safety.from_env("" if args.unsafe == "none" else args.unsafe))
 
 
 def parse_requests(text: str) -> tuple[RequestSpec, ...]:
@@ -122,6 +176,24 @@ def progress_printer(stream=sys.stderr):
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """Run the protocol check and the prefix-cache check (or one of them); print each report (or JSON)."""
+    results = {}
+    if not args.cache:
+        results["protocol"] = _verify_protocol(args)
+    if not args.no_cache:
+        from kvfence.verify.cache import explore_cache
+
+        results["cache"] = explore_cache(cache_config_from_args(args), max_states=args.cache_max_states)
+    if args.json:
+        print(json.dumps({name: _as_dict(res) for name, res in results.items()}, indent=2))
+    else:
+        print("\n\n".join(res.report() for res in results.values()))
+    if any(res.violation is not None for res in results.values()):
+        return 1
+    return 0 if all(res.complete for res in results.values()) else 2
+
+
+def _verify_protocol(args: argparse.Namespace):
     from kvfence.verify.explorer import explore
 
     cfg = config_from_args(args)
@@ -131,7 +203,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
                      invariants=wanted)
     if show is not None and sys.stderr.isatty():
         sys.stderr.write("\n")
-    print(result.report())
-    if result.violation is not None:
-        return 1
-    return 0 if result.complete else 2
+    return result
+
+
+def _as_dict(res) -> dict:
+    """A result (either check's) as JSON-ready data: counts, time, completeness, the violation and its trace."""
+    if hasattr(res, "as_dict"):
+        return res.as_dict()
+    v = res.violation
+    return {"states": res.states, "transitions": res.transitions, "depth": res.depth,
+            "seconds": round(res.seconds, 3), "complete": res.complete, "quiescent": res.quiescent,
+            "violation": None if v is None else {"invariant": v.invariant, "message": v.message,
+                                                 "trace": [step.lines for step in res.trace]}}
