@@ -103,8 +103,11 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--cache-max-preemptions", type=int, default=DEFAULT_CACHE.max_preemptions,
                    help="runs with more preemptions are cut off (bounds the state space)")
     c.add_argument("--cache-max-states", type=int, default=500_000, help="stop after this many states")
-    c.add_argument("--cache-mutant", choices=("careless-evict",), default=None,
-                   help="test-only mutation: eviction that ignores refcounts (must be caught as C2)")
+    c.add_argument("--cache-published", default="", metavar="TOKEN.TOKEN...",
+                   help="a prefix an admin published: prompts that start with it read its pages across tenants")
+    c.add_argument("--cache-mutant", choices=("careless-evict", "overmark-public"), default=None,
+                   help="test-only mutation: eviction that ignores refcounts (must be caught as C2), or a router "
+                        "that marks whole prompts public (C3, with --cache-published)")
 
 
 def format_cache_requests(requests: tuple[CacheRequest, ...]) -> str:
@@ -129,6 +132,8 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         page_size=args.cache_page_size, chunk_size=args.cache_page_size, step_tokens=args.cache_page_size,
         arrival=args.cache_arrival, evict_any_time=args.cache_evict_any_time,
         max_preemptions=args.cache_max_preemptions, careless_evict=args.cache_mutant == "careless-evict",
+        published=tuple(int(t) for t in args.cache_published.split(".") if t),
+        overmark_public=args.cache_mutant == "overmark-public",
         safety=Safety.from_env("" if args.unsafe == "none" else args.unsafe))
 
 
