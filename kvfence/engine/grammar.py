@@ -24,10 +24,11 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from kvfence.core import InvalidRequest
-from kvfence.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
+
+    from kvfence.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 MAX_SCHEMA_BYTES = 64 * 1024
