@@ -20,13 +20,15 @@ import sysconfig
 from pathlib import Path
 from types import ModuleType
 
+from kvfence import env
+
 log = logging.getLogger(__name__)
 
 
 def build(source: Path, flags: list[str], deps: list[Path] | None = None, suffix: str = ".so") -> Path | None:
     """The shared object built from ``source`` (and the ``deps`` it includes) with ``flags``, cached under the
     temp dir by content and compiler; None if it cannot be built here (logged)."""
-    cc = shutil.which(os.environ.get("CC", "cc"))
+    cc = shutil.which(env.c_compiler())
     if cc is None:
         log.warning("no C compiler: %s is not built (slower Python path)", source.name)
         return None
@@ -51,10 +53,10 @@ def build(source: Path, flags: list[str], deps: list[Path] | None = None, suffix
 
 def cache_dir() -> Path:
     """Where built objects are kept (see the module docstring)."""
-    root = os.environ.get("KVFENCE_CACHE_DIR")
+    root = env.cache_dir()
     if root:
         return Path(root) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = env.xdg_cache_home()
     return Path(xdg or Path.home() / ".cache") / "kvfence" / "kernels"
 
 

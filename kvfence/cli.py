@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from kvfence import env
 from kvfence.cluster import ENV
 from kvfence.config import POOL_DEFAULTS, default_pool_tokens
 from kvfence.tools.audit import non_negative_int, positive_int
@@ -291,12 +292,13 @@ def defaults_from_env(parser: argparse.ArgumentParser) -> None:
         if not action.option_strings or action.dest in (argparse.SUPPRESS, "help", "version", *READ_ELSEWHERE):
             continue
         name = "KVFENCE_" + action.dest.upper()
-        if name not in os.environ:
+        value = env.flag_default(name)
+        if value is None:
             continue
         try:
-            action.default = _env_value(action, os.environ[name])
+            action.default = _env_value(action, value)
         except (ValueError, argparse.ArgumentTypeError) as e:
-            parser.error(f"{name}={os.environ[name]!r}: {e}")
+            parser.error(f"{name}={value!r}: {e}")
         action.required = False
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from kvfence import env
+
 ENV = "KVFENCE_CLUSTER_KEY"  # names the key file when --cluster-key is not given
 FLAG = "--cluster-key"
 KEY_BYTES = 32
@@ -163,7 +165,7 @@ def key_from(path: str | None) -> ClusterKey | None:
     """The key named by ``path`` (``--cluster-key``), else by ``$KVFENCE_CLUSTER_KEY``, else None; an error says
     which of the two named the file."""
     origin = FLAG if path else f"${ENV}"
-    path = path or os.environ.get(ENV) or None
+    path = path or env.cluster_key_file()
     if path is None:
         return None
     try:

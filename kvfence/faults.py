@@ -17,9 +17,10 @@ injects faults says so at start.
 from __future__ import annotations
 
 import heapq
-import os
 import random
 from dataclasses import dataclass, field, fields
+
+from kvfence import env
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Faults:
     @classmethod
     def from_env(cls, value: str | None = None) -> Faults | None:
         """The faults ``KVFENCE_FAULTS`` asks for; ``None`` when it is unset or empty."""
-        value = os.environ.get("KVFENCE_FAULTS", "") if value is None else value
+        value = env.faults() if value is None else value
         if not value.strip():
             return None
         known = [f.name for f in fields(cls)]

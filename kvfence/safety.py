@@ -7,8 +7,9 @@ any layer off announces it loudly.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
+
+from kvfence import env
 
 LAYERS = ("preflight", "admission", "propagation", "tags", "coverage", "checksum", "deferred_release",
           "deferred_abort", "shared_write", "prefix_scope")
@@ -29,7 +30,7 @@ class Safety:
 
     @classmethod
     def from_env(cls, value: str | None = None) -> Safety:
-        value = os.environ.get("KVFENCE_UNSAFE", "") if value is None else value
+        value = env.unsafe() if value is None else value
         names = {n.strip() for n in value.split(",") if n.strip()}
         if "all" in names:
             names = set(LAYERS)

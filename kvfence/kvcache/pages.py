@@ -27,7 +27,6 @@ built), callers check with ``verify``, which also says which pages fail.
 from __future__ import annotations
 
 import functools
-import os
 from collections import Counter, deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -36,6 +35,8 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+
+from kvfence import env
 
 _MASK64 = (1 << 64) - 1
 
@@ -68,7 +69,7 @@ class OutOfPages(RuntimeError):
 @functools.cache
 def _tag_check() -> ModuleType | None:
     """``tag_check.c`` built as a Python module, or None where it cannot be built or ``KVFENCE_TAG_CHECK_C=0``."""
-    if os.environ.get("KVFENCE_TAG_CHECK_C", "1") == "0":
+    if not env.tag_check_c():
         return None
     from kvfence.cbuild import load_extension
 

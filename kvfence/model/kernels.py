@@ -24,13 +24,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvfence import env
 from kvfence.cbuild import build
 from kvfence.model.blocks import BlockWeight, DecodeBlocks
 
@@ -140,7 +140,7 @@ def _cpu_has(*features: str) -> bool:
 @functools.cache
 def _override() -> str | None:
     """``KVFENCE_CPU``, checked (None when unset or "auto")."""
-    value = os.environ.get("KVFENCE_CPU", "auto").strip().lower() or "auto"
+    value = env.cpu()
     if value not in OVERRIDES:
         raise ValueError(f"KVFENCE_CPU={value!r}: expected one of {', '.join(OVERRIDES)}")
     return None if value == "auto" else value

@@ -10,10 +10,10 @@ call: every backend computes a row (or a sequence and head) alone.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from kvfence import env
 from kvfence.config import ModelConfig
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import kernels
@@ -46,7 +46,7 @@ class Model:
         runs. GGUF block weights stay blocks wherever the C kernels run (bf16, unless ``KVFENCE_KEEP_BLOCKS=0``);
         elsewhere they are dequantized."""
         caps, where = kernels.detect(), torch.device(device)
-        keep = caps.runs(dtype, where) and os.environ.get("KVFENCE_KEEP_BLOCKS", "1") != "0"
+        keep = caps.runs(dtype, where) and env.keep_blocks()
         weights = Weights.from_state_dict(cfg, sd, dtype, device, keep_blocks=keep)
         backend, why = choose_backend(caps, cfg, dtype, where)
         return cls(cfg, weights, backend(cfg, weights, caps), why)

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvfence import env
 from kvfence.auditlog import read_records
 from kvfence.tools.probe import NORMAL_PROMPTS, Canary, new_canary, specific_fragments
 
@@ -739,7 +740,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     settings = SoakSettings(args.requests, args.concurrency, args.tenants, args.model, args.max_context, args.faults,
                             args.kills, args.pauses, args.worker_timeout, args.disconnect, args.max_tokens,
                             args.handoff_timeout, args.timeout, args.seed, tuple(args.serve_args.split()),
-                            os.environ.get("KVFENCE_UNSAFE", ""))
+                            env.unsafe())
     if settings.tenants < 2 or settings.requests < 1 or settings.max_tokens < 2:
         print("kvfence soak: needs at least 2 tenants, 1 request and max_tokens 2", file=sys.stderr)
         return EXIT_USAGE

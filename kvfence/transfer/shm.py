@@ -40,6 +40,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
+from kvfence import env
 from kvfence.cbuild import load_extension
 from kvfence.transfer.base import (
     DEFAULT_TIMEOUT,
@@ -197,7 +198,7 @@ class ShmPeer(PeerHandle):
 def _c_copy() -> ModuleType | None:
     """``shm_copy.c`` built as a Python module (checks, copies and the lock query in one call), or None where it
     cannot be built here or ``KVFENCE_SHM_C=0``: then the writes take the Python path, the same bytes slower."""
-    if os.environ.get("KVFENCE_SHM_C", "1") == "0":
+    if not env.shm_c():
         return None
     return load_extension(Path(__file__).with_name("shm_copy.c"), "_kvf_shm_copy")
 

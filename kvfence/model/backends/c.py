@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import time
 
 import torch
 
+from kvfence import env
 from kvfence.config import ModelConfig
 from kvfence.model import kernels
 from kvfence.model.backends.torch import chunk_attention, qkv_extras
@@ -45,14 +45,14 @@ class CBackend:
         self.config, self.weights = config, weights
         self.name = f"c-{caps.flavour}"
         # prefill chunks' attention in C (else torch's SDPA); KVFENCE_PREFILL_ATTENTION=0 turns it off
-        self.prefill_attn = (os.environ.get("KVFENCE_PREFILL_ATTENTION", "1") != "0"
+        self.prefill_attn = (env.prefill_attention()
                              and kernels.prefill_attention_fits(config.num_heads, config.num_kv_heads, config.head_dim))
         # one-token chunks (decode rows) multiply block weights in int8 where that kernel runs (``DecodeBlocks``:
         # a copy of the blocks regrouped for it, ``prepare_decode_rows``), and so do longer chunks where no AMX
         # tiles make the bf16 expansion cheaper (``int8_chunks``); KVFENCE_DECODE_INT8=0 keeps all rows on the
         # bf16 expansion
         self.decode_int8 = (any(isinstance(w, BlockWeight) for w in weights.layers[0].matrices)
-                            and caps.int8_rows and os.environ.get("KVFENCE_DECODE_INT8", "1") != "0")
+                            and caps.int8_rows and env.decode_int8())
         self.int8_chunks = self.decode_int8 and caps.int8_chunks
         if self.int8_chunks:  # every row of the block weights runs in int8: keep only their regrouped copies
             for layer in weights.layers:
