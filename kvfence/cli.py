@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from kvfence import env
 from kvfence.cluster import ENV
-from kvfence.config import POOL_DEFAULTS, default_pool_tokens
+from kvfence.config import POOL_DEFAULTS, Timeouts, default_pool_tokens
 from kvfence.tools.audit import non_negative_int, positive_int
 
 DTYPES = ("bfloat16", "float32")
@@ -551,8 +551,8 @@ def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_co
 
     policy, limits = capacity_of(args, tenants)
     return RemoteEngine(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected,
-                        silence_timeout=4 * args.handoff_timeout, cluster_key=key, policy=policy, limits=limits,
-                        worker_timeout=args.worker_timeout)
+                        silence_timeout=Timeouts(args.handoff_timeout).silence, cluster_key=key, policy=policy,
+                        limits=limits, worker_timeout=args.worker_timeout)
 
 
 def run_http(args: argparse.Namespace, engine, tokenizer, tenants, supervisor) -> int:

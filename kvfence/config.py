@@ -102,3 +102,34 @@ class EngineConfig:
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The protocol's timeouts in seconds, all derived from one setting (``--handoff-timeout``).
+
+    - ``handoff``: a handoff (pages granted -> ``Done``) may go this long without a ``Progress``; then it fails.
+    - ``abort``: decode waits this long for an ``AbortAck``, then quarantines the pages (never frees them).
+    - ``orphan_dest``: prefill keeps a ``Dest`` whose ``Prefill`` has not come this long, then drops it.
+    - ``silence``: the router ends a request that has heard nothing from its workers this long (503
+      ``worker_silent``); a request may wait as long for its handoff to start (``wait``).
+    """
+
+    handoff: float = 30.0
+
+    @property
+    def abort(self) -> float:
+        return min(10.0, self.handoff / 3)
+
+    @property
+    def orphan_dest(self) -> float:
+        return min(5.0, self.handoff / 6)
+
+    @property
+    def silence(self) -> float:
+        return 4 * self.handoff
+
+    @property
+    def wait(self) -> float:
+        return self.silence
+

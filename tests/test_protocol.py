@@ -621,3 +621,11 @@ def test_the_router_sends_the_tenants_weight_to_both_workers():
         core.worker_up(h)
     sent = [a.msg for a in core.submit(request()) if isinstance(a, Send)]
     assert [(type(m), m.weight) for m in sent] == [(Admit, 3.0), (Prefill, 3.0)]
+
+
+def test_every_timeout_derives_from_the_handoff_timeout():
+    from kvfence.config import Timeouts
+
+    assert (Timeouts().abort, Timeouts().orphan_dest, Timeouts().silence, Timeouts().wait) == (10.0, 5.0, 120.0, 120.0)
+    short = Timeouts(handoff=3.0)
+    assert (short.abort, short.orphan_dest, short.silence) == (1.0, 0.5, 12.0)

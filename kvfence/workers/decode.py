@@ -37,9 +37,9 @@ class DecodeWorker(WorkerBase):
         pool = self.make_pool(settings.pool_tokens, self.target.buffer)
         self._engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
                               self.dtype, pool=pool, safety=self.safety, remote_writes=True)
-        timeout = settings.handoff_timeout
-        limits = DecodeLimits(settings.max_context, settings.page_size, timeout, abort_timeout=min(10.0, timeout / 3),
-                              page_wait_timeout=settings.wait_timeout, fair=settings.scheduling == "fair")
+        timeouts = settings.timeouts
+        limits = DecodeLimits(settings.max_context, settings.page_size, timeouts.handoff, abort_timeout=timeouts.abort,
+                              page_wait_timeout=timeouts.wait, fair=settings.scheduling == "fair")
         self.core = DecodeCore(self.me, settings.router, self._engine.pages, limits, self.safety, self._verify)
         self.verified: dict[int, str] = {}  # rid -> how its landing was verified, for its last Output
         self.flip_random = self.faults.rng("flip") if self.faults and self.faults.flip else None

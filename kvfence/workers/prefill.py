@@ -187,9 +187,9 @@ class PrefillWorker(WorkerBase):
         self.runner = PrefillRunner(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
                                     self.dtype, pool=self.make_pool(settings.pool_tokens, self.initiator.buffer),
                                     initiator=self.initiator)
-        timeout = settings.handoff_timeout
-        limits = PrefillLimits(settings.max_context, settings.pool_tokens, settings.page_size, settings.wait_timeout,
-                               orphan_dest_timeout=min(5.0, timeout / 6))
+        timeouts = settings.timeouts
+        limits = PrefillLimits(settings.max_context, settings.pool_tokens, settings.page_size, timeouts.wait,
+                               orphan_dest_timeout=timeouts.orphan_dest)
         self.core = PrefillCore(self.me, settings.router, limits, self.safety, settings.emulate_incident)
         self.decodes: dict[str, dict] = {}
         self.peers_digest = Peers({}).digest()

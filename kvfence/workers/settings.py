@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from kvfence.cluster import ClusterKey, is_loopback, tcp_host
+from kvfence.config import Timeouts
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,8 @@ class WorkerSettings:
     prefix_caching: bool = True  # prefill: reuse prompt prefixes' KV within a tenant (decode never caches)
 
     @property
-    def wait_timeout(self) -> float:
-        """How long a request may wait before its handoff starts (decode: for pages; prefill: for the Dest): as long
-        as the router's silence timeout, 4x the handoff timeout."""
-        return 4 * self.handoff_timeout
+    def timeouts(self) -> Timeouts:
+        return Timeouts(self.handoff_timeout)
 
     def data_plane_options(self, side: str) -> dict:
         """Options for this worker's transfer backend (``side``: "target" on decode, "initiator" on prefill).
