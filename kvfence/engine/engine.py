@@ -259,7 +259,7 @@ class Engine:
         and its sibling choices' pages released."""
         log.error("request %032x: KV page tags do not match; failing it", seq.rid)
         rid = seq.rid
-        self.scheduler.running.remove(seq)
+        self.scheduler.detach(seq)
         grants = seq.drop_grants()
         mine = [g for g in grants if self.pages.owner_of(g.page) == rid and g.page not in self.pages.holders]
         self.pages.quarantine(rid, mine, "tag mismatch")

@@ -189,11 +189,15 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out and free its pages."""
+        self.detach(seq)
+        self.pages.free(seq.rid, seq.drop_grants())
+
+    def detach(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the queues, keeping its pages: its caller frees (or quarantines) them later."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pages.free(seq.rid, seq.drop_grants())
 
     def schedule(self) -> list[Work]:
         """This step's work: a decode row for every running request past its prompt, then prompt chunks and

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfence.core import KvfenceError
 from kvfence.kvcache.pages import PageGrant
-from kvfence.protocol.messages import Admit, Done, Message, Output
+from kvfence.protocol.messages import Admit, Done, Message, Output, Prefill
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,14 @@ class StopDecode:
 
 @dataclass(frozen=True)
 class StartPrefill:
-    """Prefill: compute the prompt and write its KV and tags into ``dest`` pages of ``decode``."""
+    """Prefill: compute ``prompt_ids`` (the prompt of ``msg``, the router's request) and write its KV and tags into
+    ``dest`` pages of ``decode``."""
 
     rid: int
     prompt_ids: list[int]
     dest: list[tuple[int, int]]
     decode: str
+    msg: Prefill | None = field(default=None, compare=False)  # sampling parameters, tenant, cache scope
 
 
 @dataclass(frozen=True)

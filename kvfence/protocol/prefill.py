@@ -223,7 +223,7 @@ class PrefillCore:
                                  layer="coverage")
             return [Send(req.decode, Fail(req.rid, ErrorInfo.of(err))), self._reject(req.rid, err)]
         req.state = PState.COMPUTING
-        return [StartPrefill(req.rid, req.msg.prompt_ids, dest.pages, req.decode)]
+        return [StartPrefill(req.rid, req.msg.prompt_ids, dest.pages, req.decode, req.msg)]
 
     def _abort(self, sender: str, rid: int) -> list[Action]:
         req = self.reqs.get(rid)

@@ -130,10 +130,7 @@ class PrefillRunner(Engine):
 
     def _detach(self, seq: Sequence) -> None:
         """Out of the scheduler, pages still held: they are being read by transfers."""
-        if seq in self.scheduler.running:
-            self.scheduler.running.remove(seq)
-        elif seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
+        self.scheduler.detach(seq)
         self.draining[seq.rid] = seq
 
     def _ship(self, seq: Sequence, final: bool) -> None:
@@ -277,7 +274,7 @@ class PrefillWorker(WorkerBase):
         return super().execute(action, now)
 
     def _start(self, start: StartPrefill) -> list[Action]:
-        req = self.core.reqs[start.rid].msg
+        req = start.msg
         request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid,
                           weight=req.weight, cache_salt=req.cache_salt, public_tokens=req.public_tokens)
         try:
