@@ -199,8 +199,8 @@ class TorchBackend:
         return out
 
 
-def route(cfg: ModelConfig, logits: torch.Tensor, choice_bias: torch.Tensor | None) -> tuple[torch.Tensor,
-                                                                                              torch.Tensor]:
+def route(cfg: ModelConfig, logits: torch.Tensor,
+          choice_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``(weights, experts)`` ``[T, k]`` from its router logits ``[T, E]``, row by row, as the family's
     transformers router. softmax (Qwen3-MoE): float32 probabilities, the top k, divided by their sum where
     ``normalize_expert_weights``, rounded to the logits' dtype. sigmoid (GLM-4-MoE, float32 throughout): scores
