@@ -16,10 +16,11 @@ def default_pool_tokens(max_context: int, role: str) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a dense decoder: Llama, Qwen2, Qwen3, and the families that differ from Llama only in the
-    fields after ``rope_scaling`` (Mistral, Phi-3, Gemma 2, Gemma 3). Their defaults are Llama's."""
+    """Architecture of a decoder: Llama, Qwen2, Qwen3, and the families that differ from Llama only in the fields
+    after ``rope_scaling`` (Mistral, Phi-3, Gemma 2, Gemma 3; the mixture-of-experts Qwen3-MoE and GLM-4-MoE).
+    Their defaults are Llama's (dense, every layer one gated MLP)."""
 
-    arch: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" | "gemma2" | "gemma3"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" | "gemma2" | "gemma3" | "qwen3_moe" | "glm4_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,6 +46,25 @@ class ModelConfig:
     query_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5 (gemma: query_pre_attn_scalar)
     attn_softcap: float | None = None  # gemma2: scores become cap * tanh(score / cap)
     final_softcap: float | None = None  # gemma2: logits become cap * tanh(logit / cap)
+    rotary_dim: int | None = None  # glm4_moe: rope turns only each head's first rotary_dim dims; None: all of them
+    # mixture of experts (qwen3_moe, glm4_moe): each layer of ``sparse_layers`` replaces its MLP by ``num_experts``
+    # gated MLPs of ``expert_intermediate_size``, of which a router picks ``experts_per_token`` per token
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
+    router_scoring: str = "softmax"  # "softmax" (qwen3_moe) | "sigmoid" (glm4_moe: plus a bias for the choice only)
+    router_float32: bool = False  # glm4_moe: router matmul and expert weights in float32; else the model dtype
+    normalize_expert_weights: bool = False  # the chosen experts' weights divided by their sum (HF norm_topk_prob)
+    expert_weight_scale: float = 1.0  # glm4_moe: the chosen weights times this (HF routed_scaling_factor)
+    expert_groups: int = 1  # glm4_moe: experts in this many groups (HF n_group) ...
+    expert_groups_kept: int = 1  # ... of which the best this many (topk_group) hold every chosen expert
+    shared_expert_intermediate_size: int = 0  # glm4_moe: an always-on MLP beside the experts; 0: none
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer's MLP is a mixture of experts."""
+        return bool(self.sparse_layers)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer``; None where it attends to the whole sequence."""
@@ -65,6 +85,8 @@ class ModelConfig:
         if any(self.window(i) is not None for i in range(self.num_layers)):
             return f"sliding-window attention ({self.sliding_window} < context {self.max_context})"
         for feature, differs in (
+            ("mixture-of-experts MLPs", self.is_moe),
+            ("partial rotary embeddings", self.rotary_dim not in (None, self.head_dim)),
             ("per-layer rope tables", self.rope_local_theta is not None),
             (f"the {self.hidden_act} MLP", self.hidden_act != "silu"),
             ("(1 + w) RMSNorm", self.norm_offset),

@@ -1,10 +1,12 @@
-"""Dense families beyond Llama/Qwen in Hugging Face format (Mistral, Phi-3, Gemma 2, Gemma 3 text), each checked
-against transformers on a tiny random-weight model built from the family's own config class (``tiny_models.py``:
-a sliding window of 24 tokens, shorter than most prompts here; Gemma 3 with two sliding layers and a global one).
+"""Families beyond Llama/Qwen in Hugging Face format (Mistral, Phi-3, Gemma 2, Gemma 3 text; the mixture-of-experts
+Qwen3-MoE and GLM-4-MoE), each checked against transformers on a tiny random-weight model built from the family's
+own config class (``tiny_models.py``: a sliding window of 24 tokens, shorter than most prompts here; Gemma 3 with
+two sliding layers and a global one; the MoE models with 8 experts, top 2, and a dense layer among sparse ones).
 
 Tolerances, float32 both sides: a prompt's logits in one forward within 2e-5 x the largest logit of
 transformers' (measured: 0, the same ops in the same order); chunked prefill and decode steps within 1e-4 x
-(measured ~1e-6: other kernels and call sizes). Greedy tokens must be identical.
+(measured ~1e-6: other kernels and call sizes). Greedy tokens must be identical. The MoE families are held to the
+same tolerances (measured: 0 in one forward, as the others).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kvfence.model.llama import Model
 from kvfence.model.loader import load_model
 from tests.server import Server
 from tests.test_model import CHUNK_REL_TOL, REL_TOL, assert_close, check_invariance, hf_logits, prefill, varied_text
-from tests.tiny_models import FAMILIES, WINDOW, greedy, tiny_model_dir
+from tests.tiny_models import FAMILIES, MOE, WINDOW, greedy, tiny_model_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,7 +103,7 @@ def test_each_family_loads_with_its_features(family):
     assert cfg.arch == family.removesuffix("-plain")
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     want = {"mistral": [WINDOW] * 2, "phi3": [WINDOW] * 2, "phi3-plain": [None] * 2, "gemma2": [WINDOW, None],
-            "gemma3": [WINDOW, WINDOW, None]}[family]
+            "gemma3": [WINDOW, WINDOW, None], "qwen3_moe": [None] * 3, "glm4_moe": [None] * 3}[family]
     assert windows == want
     if family.startswith("gemma"):
         assert (cfg.hidden_act, cfg.norm_offset, cfg.sandwich_norms, cfg.embed_scale) == ("gelu_tanh", True, True, 8.0)
@@ -112,6 +114,26 @@ def test_each_family_loads_with_its_features(family):
         assert cfg.qk_norm and cfg.rope_local_theta == 1000.0 and cfg.rope_scaling["rope_type"] == "linear"
     if family == "phi3":
         assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.rope_scaling["factor"] == 4096 / 64
+    if family in MOE:
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_intermediate_size) == (8, 2, 32)
+        assert cfg.normalize_expert_weights and cfg.qk_norm
+    if family == "qwen3_moe":  # mlp_only_layers=[1]
+        assert cfg.sparse_layers == (0, 2) and cfg.router_scoring == "softmax" and cfg.rotary_dim is None
+    if family == "glm4_moe":  # first_k_dense_replace=1
+        assert cfg.sparse_layers == (1, 2) and (cfg.router_scoring, cfg.router_float32) == ("sigmoid", True)
+        assert (cfg.expert_groups, cfg.expert_groups_kept, cfg.expert_weight_scale) == (2, 1, 2.5)
+        assert cfg.shared_expert_intermediate_size == 32 and cfg.rotary_dim == 8 and cfg.attention_bias
+    if family in MOE:
+        layers = load(family).model.weights.layers
+        for i, layer in enumerate(layers):
+            assert (layer.experts is not None) == (i in cfg.sparse_layers) == (layer.gate_up is None)
+        e = layers[cfg.sparse_layers[0]].experts
+        assert len(e.gate_up) == len(e.down) == 8 and e.gate_up[0].shape == (64, 64) and e.down[0].shape == (64, 32)
+        assert (e.shared_gate_up is not None) == (e.choice_bias is not None) == (family == "glm4_moe")
+        assert e.router.dtype == torch.float32
+        if family == "glm4_moe":
+            assert e.choice_bias.abs().min() > 0  # the tiny model's bias is random, so it changes choices
+            assert load(family, torch.bfloat16).model.weights.layers[1].experts.router.dtype == torch.float32
 
 
 def test_the_c_backend_runs_only_the_configs_it_computes_exactly():
@@ -123,6 +145,7 @@ def test_the_c_backend_runs_only_the_configs_it_computes_exactly():
         backend, why = choose_backend(caps, cfg, bf16, cpu)
         assert backend is (CBackend if family == "phi3-plain" else TorchBackend), family
         assert ("exactly" in why) == (family == "phi3-plain"), why
+        assert ("mixture-of-experts" in why) == (family in MOE), why
     mistral = load("mistral").config
     assert "sliding-window" in choose_backend(caps, mistral, bf16, cpu)[1]
     assert choose_backend(caps, dataclasses.replace(mistral, sliding_window=mistral.max_context), bf16, cpu)[0] \
@@ -158,6 +181,52 @@ def test_unknown_architectures_are_refused_naming_the_supported_ones():
         hf_arch({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75})  # Phi-4-mini's config.json
     with pytest.raises(ValueError, match="activation 'gelu'"):
         hf_arch({"architectures": ["MistralForCausalLM"], "hidden_act": "gelu"})
+
+
+def test_moe_options_kvfence_does_not_compute_are_refused_in_one_line():
+    qwen, glm = {"architectures": ["Qwen3MoeForCausalLM"]}, {"architectures": ["Glm4MoeForCausalLM"]}
+    assert (hf_arch(qwen), hf_arch({**glm, "partial_rotary_factor": 0.5})) == ("qwen3_moe", "glm4_moe")
+    for raw, match in [
+        ({**qwen, "scoring_func": "sigmoid"}, "routing other than the family's \\(softmax\\)"),
+        ({**glm, "scoring_func": "softmax"}, "routing other than the family's \\(sigmoid noaux_tc\\)"),
+        ({**glm, "topk_method": "greedy"}, "noaux_tc"),
+        ({**glm, "n_routed_experts": 8, "n_group": 3}, "expert groups must split the 8 experts"),
+        ({**glm, "n_routed_experts": 8, "n_group": 2, "topk_group": 3}, "topk_group"),
+        ({**qwen, "shared_expert_intermediate_size": 64}, "gated shared experts"),
+        ({**qwen, "use_sliding_window": True}, "sliding-window"),
+        ({**qwen, "partial_rotary_factor": 0.5}, "partial rotary"),
+    ]:
+        with pytest.raises(ValueError, match=match) as err:
+            hf_arch(raw)
+        assert "\n" not in str(err.value)
+
+
+def test_moe_experts_load_from_stacked_names_too(tmp_path):
+    """transformers' in-memory layout (``mlp.experts.gate_up_proj`` ``[E, 2 F, hidden]``, ``mlp.experts.down_proj``
+    ``[E, hidden, F]``) loads to the same logits as the per-expert names hub checkpoints use."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for family in MOE:
+        src, dst = tiny_model_dir(family), tmp_path / family
+        shutil.copytree(src, dst)
+        sd, stacked = load_file(str(src / "model.safetensors")), {}
+        for name, w in sd.items():
+            head, sep, rest = name.partition(".mlp.experts.")
+            if not sep:
+                stacked[name] = w
+            elif rest.startswith("0.") and rest.endswith("down_proj.weight"):  # once per layer
+                gate, up, down = ([sd[f"{head}.mlp.experts.{e}.{p}_proj.weight"] for e in range(8)]
+                                  for p in ("gate", "up", "down"))
+                stacked[f"{head}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([g, u])
+                                                                           for g, u in zip(gate, up, strict=True)])
+                stacked[f"{head}.mlp.experts.down_proj"] = torch.stack(down)
+        save_file(stacked, str(dst / "model.safetensors"))
+        ids = prompts(family)[-1]
+        got = load_model(str(dst), dtype=torch.float32)
+        want = prefill(load(family).model, [ids], KVPool(got.config, 8, 16, torch.float32))
+        assert torch.equal(prefill(got.model, [ids], KVPool(got.config, 8, 16, torch.float32)), want)
 
 
 # -- against transformers -----------------------------------------------------------------------------------------
@@ -224,6 +293,25 @@ def test_batch_invariance(family, dtype):
         alone = dataclasses.replace(loaded, model=Model(cfg, w, TorchBackend(cfg, w, dataclasses.replace(
             CAPS, flavour=None))))
         check_invariance(alone, long_prefill=400, decoders=15)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("family", MOE)
+def test_a_moe_row_routes_and_sums_alone(family, dtype):
+    """The MoE block on its own: 300 rows that choose every expert, each row's output is bit-identical to that row
+    computed alone (where it is its experts' only row), and the experts' row counts differ between the two."""
+    from kvfence.model.backends.torch import route
+
+    loaded = load(family, dtype)
+    cfg, backend = loaded.config, loaded.model.backend
+    e = loaded.model.weights.layers[cfg.sparse_layers[-1]].experts
+    x = torch.randn(300, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(dtype)  # [300, hidden]
+    with torch.inference_mode():
+        chosen = route(cfg, backend._linear(x, e.router), e.choice_bias)[1]  # [300, k]
+        assert chosen.unique().tolist() == list(range(cfg.num_experts))
+        together = backend._moe(e, x)  # [300, hidden]
+        for i in range(0, 300, 7):
+            assert torch.equal(backend._moe(e, x[i : i + 1])[0], together[i]), i
 
 
 # -- served ------------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from kvfence.model.tokenizer import Tokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3")
 # the families beyond Llama/Qwen (tests/test_families.py); "phi3-plain" is Phi-3 without rope scaling or window
-FAMILIES = ("mistral", "phi3", "phi3-plain", "gemma2", "gemma3")
+FAMILIES = ("mistral", "phi3", "phi3-plain", "gemma2", "gemma3", "qwen3_moe", "glm4_moe")
+MOE = ("qwen3_moe", "glm4_moe")  # the mixture-of-experts families among them
 WINDOW = 24  # the tiny families' sliding window, shorter than most test prompts
 # the cache is keyed by the code that writes it, so a change to either file rebuilds it
 _KEY = hashlib.sha256(Path(__file__).read_bytes() + Path(tokenizer_module.__file__).read_bytes()).hexdigest()[:12]
@@ -97,9 +98,39 @@ EXTRA = {
             sliding_attention=dict(rope_type="default", rope_theta=1000.0),
         ),
     ),
+    # qwen3_moe: 8 experts of 32, top 2 renormalized, q/k norms, layers sparse-dense-sparse (mlp_only_layers);
+    # glm4_moe: 8 experts in 2 groups of which the best holds both chosen, a random choice bias, a shared expert,
+    # weights scaled by 2.5, a dense first layer, q/k/v bias, q/k norms, rope on half of each head
+    "qwen3_moe": dict(
+        num_hidden_layers=3,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
+    "glm4_moe": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        tie_word_embeddings=False,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        use_qk_norm=True,
+        partial_rotary_factor=0.5,
+    ),
 }
 _CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
-            "phi3": "Phi3Config", "phi3-plain": "Phi3Config", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
+            "phi3": "Phi3Config", "phi3-plain": "Phi3Config", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig",
+            "qwen3_moe": "Qwen3MoeConfig", "glm4_moe": "Glm4MoeConfig"}
 
 
 # SmolLM2-135M's shapes (docs/models.md), for speed and batch-invariance checks where its weights cannot travel
@@ -199,6 +230,9 @@ def _write_model(params: dict, arch: str, seed: int, dtype: torch.dtype, path: P
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # glm4_moe's choice bias (zeros at init)
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(path, safe_serialization=True)
     src = tokenizer_files_dir()
     for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -53,8 +53,8 @@ class Batch:
     groups first); ``chunk_order`` and ``token_order`` give the logits rows in the caller's order."""
 
     tokens: torch.Tensor  # [T]
-    cos: torch.Tensor  # [T, 1, D]
-    sin: torch.Tensor  # [T, 1, D], sign of the first half flipped (rotate_half folded in)
+    cos: torch.Tensor  # [T, 1, R]: R = D, or the rotated dims of a partial rotary (glm4_moe)
+    sin: torch.Tensor  # [T, 1, R], sign of the first half flipped (rotate_half folded in)
     local_rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [T, 1, D] of layers with their own table
     kv_layers: tuple[torch.Tensor, ...]  # per layer [num_slots, 2, KV, D]: views of the pool, slot by slot
     write_slots: torch.Tensor  # [T] pool slots of the new tokens

@@ -29,6 +29,8 @@ _HF_ARCHS = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 _WINDOWED = ("mistral", "phi3", "gemma2", "gemma3")  # the families whose sliding windows kvfence computes
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # HF's names of the tanh-approximated GELU
@@ -154,9 +156,10 @@ def hf_arch(raw: dict[str, Any]) -> str:
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
     if act not in (_GELU_TANH if arch.startswith("gemma") else ("silu",)):
         raise ValueError(f"{name}: activation {act!r} is not supported")
-    partial = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
-    if float(partial or 1.0) != 1.0:
+    if _partial_rotary(raw, arch) != 1.0 and arch != "glm4_moe":
         raise ValueError(f"{name}: partial rotary embeddings are not supported")
+    if arch in _MOE:
+        _check_moe(raw, name, arch)
     return arch
 
 
@@ -189,7 +192,7 @@ def hf_config(raw: dict[str, Any], state: dict[str, Any]) -> ModelConfig:
         max_context=max_context,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)) or "lm_head.weight" not in state,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in state,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe") or bool(arch == "glm4_moe" and raw.get("use_qk_norm")),
         rope_scaling=scaling,
         sliding_window=raw.get("sliding_window") if arch in _WINDOWED else None,
         layer_types=layer_types,
@@ -201,6 +204,62 @@ def hf_config(raw: dict[str, Any], state: dict[str, Any]) -> ModelConfig:
         query_scale=None if scalar == head_dim else float(scalar) ** -0.5,
         attn_softcap=raw.get("attn_logit_softcapping") if gemma else None,
         final_softcap=raw.get("final_logit_softcapping") if gemma else None,
+        rotary_dim=int(head_dim * _partial_rotary(raw, arch)) if arch == "glm4_moe" else None,
+        **(_hf_moe(raw, arch) if arch in _MOE else {}),
+    )
+
+
+_MOE = ("qwen3_moe", "glm4_moe")
+
+
+def _partial_rotary(raw: dict[str, Any], arch: str) -> float:
+    """The share of each head's dims rope turns (glm4_moe: 0.5 unless said, as transformers' ``Glm4MoeConfig``)."""
+    partial = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
+    return float(partial or (0.5 if arch == "glm4_moe" else 1.0))
+
+
+def _num_experts(raw: dict[str, Any]) -> int:
+    """The routed experts per sparse layer, under any of the names config.json files use."""
+    return int(raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0)
+
+
+def _check_moe(raw: dict[str, Any], name: str, arch: str) -> None:
+    """ValueError, one line, for a mixture-of-experts option kvfence does not compute."""
+    experts, groups = _num_experts(raw), int(raw.get("n_group") or 1)
+    scoring = "softmax" if arch == "qwen3_moe" else "sigmoid"
+    if raw.get("scoring_func", scoring) != scoring or raw.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError(f"{name}: routing other than the family's ({scoring}"
+                         f"{' noaux_tc' if scoring == 'sigmoid' else ''}) is not supported")
+    if experts and (experts % groups or not 1 <= int(raw.get("topk_group") or 1) <= groups):
+        raise ValueError(f"{name}: expert groups must split the {experts} experts evenly (n_group {groups}) and "
+                         "keep 1..n_group of them (topk_group)")
+    if raw.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{name}: gated shared experts (shared_expert_intermediate_size) are not supported")
+
+
+def _hf_moe(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The ``ModelConfig`` mixture-of-experts fields of a qwen3_moe or glm4_moe config.json, layer choice as
+    transformers' decoder layers make it."""
+    layers, experts = raw["num_hidden_layers"], _num_experts(raw)
+    if arch == "qwen3_moe":  # Qwen3MoeDecoderLayer
+        dense, step = set(raw.get("mlp_only_layers") or ()), int(raw.get("decoder_sparse_step") or 1)
+        sparse = tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0)
+        return dict(num_experts=experts, experts_per_token=raw["num_experts_per_tok"],
+                    expert_intermediate_size=raw["moe_intermediate_size"], sparse_layers=sparse,
+                    normalize_expert_weights=bool(raw.get("norm_topk_prob", False)))
+    first_sparse = raw.get("first_k_dense_replace", 1)  # Glm4MoeDecoderLayer
+    return dict(
+        num_experts=experts,
+        experts_per_token=raw["num_experts_per_tok"],
+        expert_intermediate_size=raw["moe_intermediate_size"],
+        sparse_layers=tuple(range(first_sparse, layers)),
+        router_scoring="sigmoid",
+        router_float32=True,
+        normalize_expert_weights=bool(raw.get("norm_topk_prob", True)),
+        expert_weight_scale=float(raw.get("routed_scaling_factor", 1.0)),
+        expert_groups=int(raw.get("n_group") or 1),
+        expert_groups_kept=int(raw.get("topk_group") or 1),
+        shared_expert_intermediate_size=raw["moe_intermediate_size"] * int(raw.get("n_shared_experts", 1) or 0),
     )
 
 

@@ -1,4 +1,4 @@
-"""A dense decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3): its config, its weights
+"""A decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3; Qwen3-MoE, GLM-4-MoE): its config, its weights
 (``weights.py``) and rotary tables; the forward over the paged KV pool is its backend's (``backends/``), chosen at
 load from the host's capabilities and what the config needs.
 
@@ -76,7 +76,8 @@ class Model:
 
 def _rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, theta: float | None = None,
                  scaling: dict | None | bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin ``[max_context, D]``, computed in float32 like HF, then cast. ``theta`` and
+    """cos and sign-folded sin ``[max_context, D]`` (D the rotated dims: ``rotary_dim``, else ``head_dim``), computed
+    in float32 like HF, then cast. ``theta`` and
     ``scaling`` default to the config's (``scaling=None``: none).
 
     longrope (Phi-3) is a table per position: positions below ``original_max_position_embeddings`` (``orig``)
@@ -87,7 +88,7 @@ def _rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devic
     transformers' forward run one token at a time past it); beyond, kvfence keeps the positions below ``orig`` on the
     short factors. A fixed table keeps a position's K/V a function of the tokens alone: pages are written once,
     moved between workers and checksummed, whatever the chunking, the batch, or a recompute."""
-    D, theta = cfg.head_dim, cfg.rope_theta if theta is None else theta
+    D, theta = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta if theta is None else theta  # D: the rotated dims
     scaling = cfg.rope_scaling if scaling is True else scaling
     shape = torch.arange(0, D, 2, dtype=torch.int64).float() / D  # [D/2]
     positions = torch.arange(cfg.max_context, dtype=torch.float32)

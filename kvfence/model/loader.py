@@ -1,5 +1,5 @@
 """Load a model: the bundled SmolLM2 GGUF, any llama-arch GGUF, or an HF directory (Llama, Qwen2, Qwen3, Mistral,
-Phi-3, Gemma 2, Gemma 3 text).
+Phi-3, Gemma 2, Gemma 3 text, Qwen3-MoE, GLM-4-MoE).
 
 Every source ends as a state dict with HF names and HF layouts (GGUF Q/K rows un-permuted; GGUF Q4_1/Q8_0
 matrices as ``BlockWeight``s), a ``ModelConfig`` and a ``Tokenizer``; ``Model.from_state_dict`` then chooses the

@@ -4,7 +4,8 @@
   c-amx, c-avx512, c-avx2   ``c.py``: every row in the C kernels of that flavour (bf16 on CPU)
   torch                     ``torch.py``: torch ops, matmuls in calibrated row blocks (no C kernels, float32, CUDA)
   torch+c-<flavour>-gemm    ``torch.py`` with the C matmul kernel, where the C attention does not fit the heads
-                            or the config is not Llama's forward (sliding windows, Gemma: docs/models.md)
+                            or the config is not Llama's forward (sliding windows, Gemma, mixture of experts:
+                            docs/models.md)
 
 Each is batch-invariant on its own terms, and their bits differ: a process uses one throughout.
 """
@@ -52,16 +53,17 @@ class Backend(Protocol):
 
 def choose_backend(caps: kernels.Capabilities, config: ModelConfig, dtype: torch.dtype,
                    device: torch.device) -> tuple[type[Backend], str]:
-    """``(backend, why)``: the C backend where the C kernels run this dtype and device, their attention fits the
-    heads and they compute this config exactly (Llama's forward; the rope tables and fused weights may differ);
-    else torch, with the first reason it is not C, in words."""
+    """``(backend, why)``: the C backend where the C kernels run this dtype and device, compute this config exactly
+    (Llama's forward; the rope tables and fused weights may differ) and their attention fits the heads; else torch,
+    with the first reason it is not C, in words (a mixture-of-experts config: "the C kernels do not compute
+    mixture-of-experts MLPs")."""
     if not caps.runs(dtype, device):
         where = "no C kernels on this CPU" if caps.flavour is None and device.type == "cpu" else (
             f"the C kernels do not run {str(dtype).removeprefix('torch.')} on {device.type}")
         return TorchBackend, where
-    if not kernels.attention_fits(config.num_heads, config.num_kv_heads, config.head_dim):
-        return TorchBackend, "the C attention does not fit the heads"
-    differs = config.llama_compatible
+    differs = config.llama_compatible  # first: mixture-of-experts MLPs and the like, whatever the heads
     if differs is not None:
         return TorchBackend, f"the C kernels do not compute {differs}"
+    if not kernels.attention_fits(config.num_heads, config.num_kv_heads, config.head_dim):
+        return TorchBackend, "the C attention does not fit the heads"
     return CBackend, "the C kernels compute this config exactly"

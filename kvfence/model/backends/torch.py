@@ -6,6 +6,12 @@ model's heads; norms and activations are row-wise; attention never mixes sequenc
 call per sequence (on a GPU, one call per group where a backend proved batch-invariant at load), each chunk one
 call of its own.
 
+Mixture-of-experts layers (Qwen3-MoE, GLM-4-MoE) route each row alone: router logits through the same
+batch-invariant matmuls, scores, top-k and normalisation row-wise. Each chosen expert then computes its rows
+(gathered, through ``_linear``, so a row's bits do not depend on how many other rows chose that expert), and a
+row's expert outputs are summed in ascending expert id into zeros, as transformers' ``index_add_`` does: the
+order of a row's additions is a function of that row's choice alone.
+
 The families beyond Llama run here only (``choose_backend``): sliding windows (``Batch.attn_window``), Gemma's
 (1 + w) norms, sandwich norms, GeGLU, scaled embeddings, its query scale and soft caps. Each is row-wise or inside
 one sequence's attention call, so none of them makes a row depend on its neighbours. Soft-capped attention is
@@ -26,7 +32,7 @@ from torch.nn.attention import sdpa_kernel
 from kvfence.config import ModelConfig
 from kvfence.model import invariant, kernels
 from kvfence.model.batch import Attn, Batch
-from kvfence.model.weights import Layer, Matrix, Weights
+from kvfence.model.weights import Experts, Layer, Matrix, Weights
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +46,10 @@ class TorchBackend:
         dtype, device = weights.dtype, weights.device
         self.c_gemm = caps.runs(dtype, device)  # every matmul row in the C kernel; else calibrated row blocks
         self.name = f"torch+c-{caps.flavour}-gemm" if self.c_gemm else "torch"
-        self._blocks: dict[tuple[int, ...], invariant.RowBlocks] = {}
+        self._blocks: dict[tuple[tuple[int, ...], torch.dtype], invariant.RowBlocks] = {}
         self._head_blocks: invariant.RowBlocks | None = None
         self._threads = -1
-        if not self.c_gemm:
+        if not self.c_gemm or any(not self._in_c(w) for layer in weights.layers for w in layer.all_matmul_weights()):
             self.calibrate()
         # on a GPU, one attention call per group of same-length decode rows where a backend proves batch-invariant
         self.decode_sdpa = (invariant.decode_attention_backend(
@@ -55,10 +61,10 @@ class TorchBackend:
 
     def set_threads(self, n: int) -> None:
         """Compute on ``n`` threads where that keeps the bits without a recalibration: the C matmuls, and then
-        torch's own ops; calibrated torch matmuls keep their count."""
+        torch's own ops unless some matmul is calibrated (then torch keeps its count)."""
         if self.c_gemm:
             kernels.set_threads(n)
-            if torch.get_num_threads() != n:
+            if not self._blocks and torch.get_num_threads() != n:
                 torch.set_num_threads(n)
 
     def decode_weights(self) -> list[Matrix]:
@@ -66,18 +72,25 @@ class TorchBackend:
         return self.weights.read_in_full()
 
     def calibrate(self) -> None:
-        """Measure the batch-invariant row blocks of every weight shape for the current thread count."""
+        """Measure the batch-invariant row blocks, for the current thread count, of every weight shape and dtype the
+        C kernel does not compute: with it, only a float32 router's (glm4_moe); without it, every layer's matrices
+        (the experts' and routers' included) and the head's."""
         t0, self._threads = time.perf_counter(), torch.get_num_threads()
-        for w in self.weights.layers[0].matrices:
-            self._blocks[tuple(w.shape)] = invariant.calibrate(*w.shape, w.dtype, str(w.device), self._threads)
+        for layer in self.weights.layers:
+            for w in layer.all_matmul_weights():
+                key = (tuple(w.shape), w.dtype)
+                if key not in self._blocks and not self._in_c(w):
+                    self._blocks[key] = invariant.calibrate(*w.shape, w.dtype, str(w.device), self._threads)
         head = self.weights.lm_head  # sees one row per chunk: no large call sizes (checking them would cost seconds)
-        self._head_blocks = invariant.calibrate(*head.shape, head.dtype, str(head.device), self._threads, big=False)
+        if not self._in_c(head):
+            self._head_blocks = invariant.calibrate(*head.shape, head.dtype, str(head.device), self._threads,
+                                                    big=False)
         log.info("calibrated batch-invariant matmuls (%s, %d threads) in %.2fs", head.dtype, self._threads,
                  time.perf_counter() - t0)
 
     def forward(self, b: Batch, all_logits: bool) -> torch.Tensor:
         """``[T or B, vocab]`` logits of step ``b``, rows in processing order, in the model's dtype."""
-        if not self.c_gemm and torch.get_num_threads() != self._threads:
+        if self._blocks and torch.get_num_threads() != self._threads:
             self.calibrate()
         w, cfg = self.weights, self.config
         x = w.embed_rows(b.tokens)  # [T, hidden], a new tensor: updated in place below
@@ -97,12 +110,17 @@ class TorchBackend:
         """A sublayer's output, normed where the model has sandwich norms (gemma)."""
         return x if w is None else self._norm(x, w)
 
+    def _in_c(self, w: Matrix) -> bool:
+        """Whether the C kernel computes products with ``w`` (every bf16 weight where it runs; not a float32 router)."""
+        return self.c_gemm and not (isinstance(w, torch.Tensor) and w.dtype == torch.float32)
+
     def _linear(self, x: torch.Tensor, w: Matrix, blocks: invariant.RowBlocks | None = None) -> torch.Tensor:
-        """``x [T, K] @ w.T`` -> ``[T, N]``, a new tensor; no row depends on the others. The C kernel computes each
-        row alone by construction; without it, calibrated row blocks."""
-        if self.c_gemm:
+        """``x [T, K] @ w.T`` -> ``[T, N]``, a new tensor in w's dtype (x is cast to it); no row depends on the
+        others. The C kernel computes each row alone by construction; without it, calibrated row blocks."""
+        if self._in_c(w):
             return kernels.gemm(x, w)
-        return invariant.matmul(x, w, blocks or self._blocks[tuple(w.shape)])
+        x = x.to(w.dtype).contiguous()
+        return invariant.matmul(x, w, blocks or self._blocks[(tuple(w.shape), w.dtype)])
 
     def _attention(self, i: int, layer: Layer, x: torch.Tensor, b: Batch) -> torch.Tensor:
         cfg, T, slots = self.config, x.shape[0], b.kv_layers[i]
@@ -111,8 +129,9 @@ class TorchBackend:
         cos, sin = b.local_rope if cfg.local_rope(i) else (b.cos, b.sin)
         qkv = self._linear(x, layer.qkv).view(T, H + 2 * KV, D)  # [T, H + 2 KV, D]
         qkv_extras(cfg, layer, qkv)
-        qk = qkv[:, : H + KV]  # [T, H + KV, D], a view of qkv
-        rot = qk.roll(D // 2, dims=-1).mul_(sin)  # rotary, HF rotate_half convention, in place in qkv
+        R = cos.shape[-1]  # the rotated dims: D, or the first R of each head (glm4_moe's partial rotary)
+        qk = qkv[:, : H + KV, :R]  # [T, H + KV, R], a view of qkv
+        rot = qk.roll(R // 2, dims=-1).mul_(sin)  # rotary, HF rotate_half convention, in place in qkv
         qk.mul_(cos).add_(rot)
         slots.index_copy_(0, b.write_slots, qkv[:, H:].view(T, 2, KV, D))  # new tokens' K/V into their slots
         q = qkv[:, :H]  # [T, H, D]
@@ -154,9 +173,61 @@ class TorchBackend:
         return out.view(n, -1)
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, F] each
+        """The layer's MLP on ``x [T, hidden]`` -> ``[T, hidden]``: one gated MLP, or a mixture of experts."""
+        if layer.experts is not None:
+            return self._moe(layer.experts, x)
+        return self._gated(x, layer.gate_up, layer.down)
+
+    def _gated(self, x: torch.Tensor, gate_up: Matrix, down: Matrix) -> torch.Tensor:
+        """``down(act(gate x) * up x)``: ``x [T, hidden]`` -> ``[T, hidden]``."""
+        gate, up = self._linear(x, gate_up).chunk(2, dim=-1)  # [T, F] each
         act = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        return self._linear(act.mul_(up), layer.down)  # [T, hidden]
+        return self._linear(act.mul_(up), down)  # [T, hidden]
+
+    def _moe(self, e: Experts, x: torch.Tensor) -> torch.Tensor:
+        """A sparse MLP on ``x [T, hidden]`` -> ``[T, hidden]``, as transformers' experts loop: each chosen expert
+        computes its rows, its output times the row's weight for it is rounded to the model dtype and added, in
+        ascending expert id, into zeros; then the shared MLP's output, if any. Rows never mix."""
+        weights, chosen = route(self.config, self._linear(x, e.router), e.choice_bias)  # [T, k] each
+        out = torch.zeros_like(x)  # [T, hidden]
+        for expert in chosen.unique().tolist():  # ascending ids
+            rows, slot = torch.where(chosen == expert)  # [n] each: a row chooses an expert at most once
+            y = self._gated(x[rows], e.gate_up[expert], e.down[expert])  # [n, hidden]
+            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(x.dtype))
+        if e.shared_gate_up is not None and e.shared_down is not None:
+            out += self._gated(x, e.shared_gate_up, e.shared_down)
+        return out
+
+
+def route(cfg: ModelConfig, logits: torch.Tensor,
+          choice_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``(weights, experts)`` ``[T, k]`` from its router logits ``[T, E]``, row by row, as the family's
+    transformers router. softmax (Qwen3-MoE): float32 probabilities, the top k, divided by their sum where
+    ``normalize_expert_weights``, rounded to the logits' dtype. sigmoid (GLM-4-MoE, float32 throughout): scores
+    plus ``choice_bias`` choose (within the best ``expert_groups_kept`` groups, a group scored by its two best),
+    the unbiased scores weigh, divided by their sum + 1e-20 where normalized, times ``expert_weight_scale``.
+    Top-k is sorted (transformers' GLM router asks unsorted): the order only changes the normalizing sum, exactly
+    so for k = 2."""
+    k = cfg.experts_per_token
+    if cfg.router_scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        weights, chosen = torch.topk(probs, k, dim=-1)  # [T, k] each
+        if cfg.normalize_expert_weights:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), chosen
+    scores = logits.float().sigmoid()  # [T, E]
+    choice = scores if choice_bias is None else scores + choice_bias  # [T, E]
+    if cfg.expert_groups > 1:
+        T, G = choice.shape[0], cfg.expert_groups
+        group_scores = choice.view(T, G, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        kept = torch.topk(group_scores, cfg.expert_groups_kept, dim=-1)[1]  # [T, kept]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
+        choice = choice.masked_fill(~mask.repeat_interleave(choice.shape[1] // G, dim=1), float("-inf"))
+    chosen = torch.topk(choice, k, dim=-1)[1]  # [T, k]
+    weights = scores.gather(1, chosen)  # [T, k]
+    if cfg.normalize_expert_weights:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    return weights * cfg.expert_weight_scale, chosen
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
