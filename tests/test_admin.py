@@ -38,11 +38,6 @@ ALICE = {"Authorization": "Bearer sk-alice"}
 BOB = {"Authorization": "Bearer sk-bob"}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def tenants() -> Tenants:
     return Tenants(KEYS, admin_keys=[ADMIN_KEY])
 

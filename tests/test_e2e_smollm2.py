@@ -33,13 +33,6 @@ def chat(client: openai.OpenAI, prompt: str, **kw) -> str:
 
 
 @pytest.fixture(scope="module")
-def tenants_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text('[tenants.alice]\napi_keys = ["sk-alice"]\n\n[tenants.bob]\napi_keys = ["sk-bob"]\n')
-    return path
-
-
-@pytest.fixture(scope="module")
 def colocated(tenants_file):
     with Server("--mode", "colocated", "--tenants", str(tenants_file), "--max-context", "2048") as server:
         yield server

@@ -24,11 +24,6 @@ from tests.test_admin import ADMIN, ADMIN_KEY, ALICE, BOB, core_with, request, t
 from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body, template
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @contextlib.asynccontextmanager
 async def asgi(engine, audit: AuditLog | None = None):
     app = create_app(engine, FakeTokenizer(), tenants(), audit)

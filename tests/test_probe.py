@@ -388,14 +388,6 @@ def test_the_timing_phase_tells_a_shared_cache_from_one_per_key_and_from_none(sc
 # -- against real servers (slow) ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tenants(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text("".join(f'[tenants.{t}]\napi_keys = ["sk-{t}"]\n\n' for t in ("alice", "carol", "bob"))
-                    + '[admin]\napi_keys = ["sk-admin"]\n')
-    return str(path)
-
-
 def run_probe(server: Server, tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "kvfence.cli", "probe", "--url", server.url, "--key", "sk-alice", "--key",
@@ -405,8 +397,8 @@ def run_probe(server: Server, tmp_path, *flags: str) -> tuple[subprocess.Complet
 
 
 @pytest.mark.timeout(600)  # a server start and a bounded probe on 2 shared cores
-def test_a_clean_kvfence_server_passes(tenants, tmp_path):
-    with Server("--max-context", "4096", "--tenants", tenants, ready_timeout=300) as server:
+def test_a_clean_kvfence_server_passes(tenants_file, tmp_path):
+    with Server("--max-context", "4096", "--tenants", str(tenants_file), ready_timeout=300) as server:
         done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "120",
                                  "--victim-tokens", "600")
     assert done.returncode == EXIT_CLEAN, done.stdout + done.stderr[-3000:]
@@ -420,9 +412,9 @@ def test_a_clean_kvfence_server_passes(tenants, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tenants, tmp_path):
+def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tenants_file, tmp_path):
     flags = ("--emulate-incident", "--prefill-pool-tokens", "1024", "--max-context", "4096",
-             "--decode-pool-tokens", "1088", "--tenants", tenants)
+             "--decode-pool-tokens", "1088", "--tenants", str(tenants_file))
     with Server(*flags, env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
         for _ in range(2):  # a leak needs the model to repeat a code from stale KV: most runs show it, not every one
             done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "180", "--no-timing")

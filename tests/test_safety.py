@@ -25,17 +25,11 @@ from kvfence.model.loader import load_model
 from kvfence.safety import Safety
 from tests.pair import Pair
 from tests.server import ROOT, Server
-from tests.tiny_models import tiny_model_dir
 
 PAGE = 16
 OVER_LENGTH = [5 + i % 97 for i in range(40)]  # over the 32-token prefill pool of `incident_pair`
 SHORT = [7 + i % 89 for i in range(30)]
 VICTIM = [11 + i % 83 for i in range(32)]  # fills the decode pool's pages that OVER_LENGTH will be granted
-
-
-@pytest.fixture(scope="module")
-def model() -> str:
-    return str(tiny_model_dir("llama"))
 
 
 def pair_with(monkeypatch, model: str, unsafe: str, **kw) -> Pair:
