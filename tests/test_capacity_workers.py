@@ -26,11 +26,6 @@ CHUNK = 64  # the pair's chunk size; with step_tokens=64, one chunk a prefill st
 LONG = [5 + i % 4000 for i in range(1024)]  # 16 chunks
 
 
-@pytest.fixture(scope="module")
-def model() -> str:
-    return str(tiny_model_dir("llama"))
-
-
 def chunk_log(pair: Pair) -> list[tuple[int, int]]:
     """Every prompt chunk prefill computes from now on, as (rid, tokens computed so far)."""
     log: list[tuple[int, int]] = []
@@ -94,7 +89,7 @@ def test_prefill_progress_keeps_a_long_handoff_alive(model, monkeypatch, progres
     while not result.ended:
         assert time.monotonic() < deadline
         pair.step()
-        time.sleep(0.5)
+        time.sleep(0.5)  # the behaviour under test: one chunk per step, 0.5 s apart (see the docstring)
     if progress:
         assert result.finish_reason == "length" and len(result.tokens) == 4
         assert len(log) == len(LONG) // CHUNK

@@ -18,8 +18,7 @@ import openai
 import pytest
 import zmq
 
-from tests.server import ROOT, Server, free_port
-from tests.tiny_models import tiny_model_dir
+from tests.server import ROOT, Server, free_port, wait_until
 
 PROMPTS = [f"Prompt number {i}: tell me about topic {i * 7}." for i in range(7)]
 PROMPTS.append(" ".join(f"w{i}" for i in range(700)))  # spans two 512-token chunks: a chunked, overlapped transfer
@@ -30,11 +29,6 @@ def completion(client: openai.OpenAI, prompt: str | list[int], max_tokens: int =
     reply = client.completions.create(model="llama", prompt=prompt, temperature=0, max_tokens=max_tokens,
                                       extra_body={"ignore_eos": True})
     return reply.choices[0].text
-
-
-@pytest.fixture(scope="module")
-def model() -> str:
-    return str(tiny_model_dir("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +69,7 @@ def four_workers(model, cluster_key):
     # Decode steps paced at >= 5 ms: the tiny model would otherwise finish a stream before a test can kill its worker.
     with Server("--model", model, "--prefill", "2", "--decode", "2", "--cluster-key", str(cluster_key),
                 *COMMON, admin=True, env={"KVFENCE_FAULTS": "slow_step=0.005"}) as server:
-        deadline = time.monotonic() + 60
-        while len(server.health()["workers"]) < 4 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: len(server.health()["workers"]) == 4, 60, "all four workers to join")
         yield server
 
 
@@ -175,13 +167,20 @@ def test_malformed_control_messages_are_dropped_not_fatal(four_workers, cluster_
     from kvfence.workers.channel import connect_push
 
     worker, info = next(iter(workers(four_workers, "prefill").items()))
+    dropped = f"prefill[{info['pid']}] kvfence.workers.channel: dropped a malformed control message"
+
+    def drops() -> int:  # the worker's own log line for each frame its inbox read and could not decode
+        return four_workers.log_text().count(dropped)
+
+    before = drops()
+    junks = (b"", b"\x00\xff garbage", b'{"sender":"x","msg":{"type":"Nope","rid":1}}',
+             b'{"sender":"x","msg":{"type":"Dest","rid":"not-an-int"}}', b'{"sender":"x"')
     sock = connect_push(zmq.Context.instance(), worker, ClusterKey.load(cluster_key))
     sock.setsockopt(zmq.LINGER, 1000)
-    for junk in (b"", b"\x00\xff garbage", b'{"sender":"x","msg":{"type":"Nope","rid":1}}',
-                 b'{"sender":"x","msg":{"type":"Dest","rid":"not-an-int"}}', b'{"sender":"x"'):
+    for junk in junks:
         sock.send(junk)
     sock.close()
-    time.sleep(1)
+    wait_until(lambda: drops() == before + len(junks), 30, "the prefill worker to read and drop every junk frame")
     assert workers(four_workers, "prefill")[worker]["pid"] == info["pid"]
     assert httpx.get(four_workers.url + "/health").status_code == 200
     for i in range(4):  # both prefill workers still serve

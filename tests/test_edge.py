@@ -23,6 +23,7 @@ import pytest
 
 from kvfence.core import Request, RequestOutput, SamplingParams, ServiceUnavailable
 from kvfence.protocol.router import RouterCore
+from kvfence.router import app as app_module
 from kvfence.router.app import _error_response, create_app
 from kvfence.router.exposure import FailedLogins, redact
 from kvfence.router.fair import FairPool, TooManyRequests
@@ -31,15 +32,11 @@ from kvfence.router.metrics import Metrics
 from kvfence.router.tenants import Tenants
 from kvfence.safety import Safety
 from kvfence.tools.auditlog import AuditLog, AuditRecord, read_records
+from tests.server import async_wait_until, wait_until
 from tests.test_admin import ADMIN, ADMIN_KEY, ALICE, BOB, hello
-from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body, serving
+from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body, open_connections, serving
 
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 def tenants() -> Tenants:
@@ -453,7 +450,7 @@ async def test_fair_pool_serves_tenants_round_robin_one_job_each_at_a_time():
 
     tasks = [asyncio.create_task(pool.run(t, 1, lambda n=n: job(n))) for t, n in
              (("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1"), ("c", "c1"), ("b", "b2"))]
-    await asyncio.sleep(0.05)
+    await async_wait_until(lambda: [pool.pending(t) for t in "abc"] == [3, 2, 1], what="every job queued")
     gate.set()
     assert await asyncio.gather(*tasks) == ["a1", "a2", "a3", "b1", "c1", "b2"]
     assert order == ["a1", "b1", "c1", "a2", "b2", "a3"]
@@ -464,7 +461,7 @@ async def test_fair_pool_bounds_pending_work_per_tenant_and_withdraws_cancelled_
     pool, gate = FairPool(max_pending_cost=100_000, threads=1), threading.Event()
     first = asyncio.create_task(pool.run("a", 60_000, lambda: gate.wait(5)))
     waiting = asyncio.create_task(pool.run("a", 20_000, lambda: "ran"))
-    await asyncio.sleep(0.05)
+    await async_wait_until(lambda: pool.pending("a") == 2, what="a's two jobs pending")
     with pytest.raises(TooManyRequests) as refused:
         await pool.run("a", 30_000, lambda: None)  # 60k + 20k + 30k > 100k
     answer = _error_response(refused.value)
@@ -472,8 +469,7 @@ async def test_fair_pool_bounds_pending_work_per_tenant_and_withdraws_cancelled_
     assert json.loads(answer.body)["error"]["code"] == "rate_limit_exceeded"
     other = asyncio.create_task(pool.run("b", 10**9, lambda: "b ok"))  # nothing pending: always admitted
     waiting.cancel()
-    await asyncio.sleep(0.05)
-    assert pool.pending("a") == 1
+    await async_wait_until(lambda: pool.pending("a") == 1, what="the cancelled job withdrawn")
     gate.set()
     assert await first and await other == "b ok"
     assert pool.pending("a") == pool.pending("b") == 0
@@ -487,17 +483,25 @@ class SlowTokenizer(FakeTokenizer):
         return super().encode(text)[:8]
 
 
-def test_one_tenants_burst_of_large_requests_does_not_delay_another_tenant():
+def test_one_tenants_burst_of_large_requests_does_not_delay_another_tenant(monkeypatch):
     """Alice sends 4 requests that each take 1 s to tokenize; Bob's small one, sent after them, is answered
     about at once: alice holds one of the 2 threads at most (one shared thread, first come first served, made him
     wait 4 s; one thread served round-robin would still make him wait for the rest of alice's job)."""
+    pools: list[FairPool] = []
+
+    class SeenPool(FairPool):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(app_module, "FairPool", SeenPool)
     engine = FakeEngine(max_context=4096)
     with serving(engine, tenants(), tokenizer=SlowTokenizer()) as url:
         async def run() -> float:
             async with httpx.AsyncClient(base_url=url, timeout=30) as c:
                 big = {"prompt": "x" * 100_000, "max_tokens": 2}
                 burst = [asyncio.create_task(c.post("/v1/completions", json=big, headers=ALICE)) for _ in range(4)]
-                await asyncio.sleep(0.2)  # alice's jobs are queued and running
+                await async_wait_until(lambda: pools[0].pending("alice") == 4, what="alice's 4 jobs queued or running")
                 started = time.monotonic()
                 small = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=BOB)
                 bob_waited = time.monotonic() - started
@@ -593,7 +597,7 @@ def test_an_unread_body_that_trickles_on_is_cut_too():
         with contextlib.suppress(OSError):
             for _ in range(30):
                 sock.sendall(b" ")
-                time.sleep(0.1)
+                time.sleep(0.1)  # the behaviour under test: a client that trickles a byte every 100 ms
         assert closed_by_server(sock, 3) and time.monotonic() - started < 3.5
 
 
@@ -601,7 +605,7 @@ def test_streams_and_keep_alive_are_not_cut_by_the_read_timeouts():
     class SlowEngine(FakeEngine):
         async def generate(self, request):
             async for out in super().generate(request):
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(0.25)  # the behaviour under test: a stream slower than the read timeouts
                 yield out
 
     engine = SlowEngine(pieces=tuple("abcdef"))
@@ -617,21 +621,21 @@ def test_streams_and_keep_alive_are_not_cut_by_the_read_timeouts():
             for _ in range(2):
                 sock.sendall(head("/v1/completions", len(body)) + body)
                 assert read_response(sock)[0] == 200
-                time.sleep(1)
+                time.sleep(1)  # the behaviour under test: an idle keep-alive connection outlives the read timeouts
 
 
 def test_connections_per_client_address_are_bounded():
     limits = EdgeLimits(header_timeout=30, max_connections_per_client=3)
     with edge_server(limits=limits) as url:
         held = [connect(url) for _ in range(3)]
-        time.sleep(0.1)
+        wait_until(lambda: open_connections(url) == 3, 5, "the server to count the 3 connections")
         with connect(url) as extra:
             extra.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
             status, _, body = read_response(extra)
             assert (status, json.loads(body)["error"]["code"]) == (429, "too_many_connections")
             assert closed_by_server(extra, 3)
         held.pop().close()
-        time.sleep(0.1)
+        wait_until(lambda: open_connections(url) == 2, 5, "the server to see one close")
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         for sock in held:
             sock.close()
@@ -699,7 +703,7 @@ def test_upgrade_requests_are_plain_http_and_keep_the_connection_count(caplog):
                 sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
                              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
                 assert read_response(sock)[0] == 200
-        time.sleep(0.1)
-        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # no slot was lost
+        wait_until(lambda: open_connections(url) == 0, 5, "every upgrade connection to leave the count")  # none lost
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         uvicorn_log.removeHandler(caplog.handler)
     assert caplog.text.count("unsupported upgrade request") == 1  # once per address and minute
