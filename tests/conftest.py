@@ -1,9 +1,10 @@
-"""Fixtures several test files share."""
+"""Fixtures several test files share, and the check that every test carries one speed mark (tests/marks.py)."""
 
 from pathlib import Path
 
 import pytest
 
+from tests.marks import pytest_collection_modifyitems  # noqa: F401 (the hook: pytest finds it here)
 from tests.server import Server
 from tests.tiny_models import tiny_model_dir
 

@@ -13,6 +13,9 @@ import pytest
 from kvfence.cli import main
 from kvfence.tools.auditlog import AuditLog, AuditRecord, Query, parse_status, parse_time, read_records, rid_hex
 
+pytestmark = pytest.mark.fast
+
+
 T0 = 1_790_000_000.0  # 2026-09-21T14:13:20Z
 POOL = 681_280  # the incident's prefill pool
 

@@ -21,6 +21,9 @@ from kvfence.safety import Safety
 from tests.server import async_wait_until
 from tests.test_http import KEYS, FakeEngine, chat_body, make_app
 
+pytestmark = pytest.mark.fast
+
+
 R, P, D = "router", "prefill-0", "decode-0"
 
 

@@ -22,6 +22,9 @@ import pytest
 from tests.server import Server
 from tests.tiny_models import tiny_model_dir
 
+pytestmark = pytest.mark.slow
+
+
 TENANTS = '[tenants.alice]\napi_keys = ["sk-alice"]\n\n[tenants.bob]\napi_keys = ["sk-bob"]\n'
 FLOOD_STREAMS = 16
 

@@ -49,6 +49,7 @@ def assert_released(pair: Pair) -> None:
     pair.decode.check_integrity()
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("stop", [True, False], ids=["cancel-stops-prefill", "without-cancel"])
 def test_prefill_stops_computing_a_prompt_whose_client_left(model, monkeypatch, stop):
     """The client leaves after 3 of 16 chunks. L7 still holds decode's cancel until the handoff ends, but prefill
@@ -73,6 +74,7 @@ def test_prefill_stops_computing_a_prompt_whose_client_left(model, monkeypatch, 
         assert len(log) == len(LONG) // CHUNK
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [True, False], ids=["with-progress", "without-progress"])
 def test_prefill_progress_keeps_a_long_handoff_alive(model, monkeypatch, progress):
     """A 1,024-token prompt computed one chunk at a time, 0.5 s apart, takes 8 s: four times the 2 s handoff
@@ -101,6 +103,7 @@ def test_prefill_progress_keeps_a_long_handoff_alive(model, monkeypatch, progres
         assert computed == len(log) < len(LONG) // CHUNK
 
 
+@pytest.mark.model
 def test_decode_preempts_the_flooding_tenant_and_reports_it(model):
     """Decode's pool (24 pages of 16 tokens) cannot hold four 16-token prompts growing to 16 + 100 tokens. bob's
     three requests and alice's one are sent at once (the router's reservations off, as for outputs beyond them):
@@ -121,6 +124,7 @@ def test_decode_preempts_the_flooding_tenant_and_reports_it(model):
     assert_released(pair)
 
 
+@pytest.mark.slow
 def test_a_real_server_counts_decodes_preemptions_per_tenant(tmp_path):
     """``kvfence serve`` with a 70-page pool: the router reserves 528 tokens (prompt + 512) for each of bob's two
     600-token generations, so both go, and they outgrow the pool at decode. Decode preempts one, recomputes it,

@@ -34,6 +34,7 @@ from tests.server import ROOT
 # ---------------------------------------------------------------------------- the key file
 
 
+@pytest.mark.fast
 def test_key_file_is_written_0600_and_loads_back(tmp_path):
     key = ClusterKey.generate()
     path = tmp_path / "cluster.key"
@@ -44,6 +45,7 @@ def test_key_file_is_written_0600_and_loads_back(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["cluster.key"]  # no temporary file left behind
 
 
+@pytest.mark.fast
 def test_key_file_is_never_overwritten_silently(tmp_path):
     path = tmp_path / "cluster.key"
     first = ClusterKey.generate()
@@ -56,6 +58,7 @@ def test_key_file_is_never_overwritten_silently(tmp_path):
     assert ClusterKey.load(path) == second and stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("content, mode, error", [
     (None, 0o600, "No such file"),
     ("kvfence-cluster-key-v1 " + "ab" * 32 + "\n", 0o644, "chmod 600"),
@@ -75,6 +78,7 @@ def test_unusable_key_files_are_refused_with_the_reason(tmp_path, content, mode,
         ClusterKey.load(path)
 
 
+@pytest.mark.fast
 def test_a_directory_or_an_unreadable_file_is_refused(tmp_path):
     with pytest.raises(ClusterKeyError, match="not a regular file"):
         ClusterKey.load(tmp_path)
@@ -86,6 +90,7 @@ def test_a_directory_or_an_unreadable_file_is_refused(tmp_path):
             ClusterKey.load(path)
 
 
+@pytest.mark.fast
 def test_the_environment_names_the_key_file_when_no_flag_does(tmp_path, monkeypatch):
     key, other = ClusterKey.generate(), ClusterKey.generate()
     key.write(tmp_path / "a.key")
@@ -97,6 +102,7 @@ def test_the_environment_names_the_key_file_when_no_flag_does(tmp_path, monkeypa
     assert key_from(str(tmp_path / "b.key")) == other  # the flag wins
 
 
+@pytest.mark.fast
 def test_each_plane_gets_its_own_derived_secret():
     key = ClusterKey(bytes(32))
     assert key.curve == ClusterKey(bytes(32)).curve  # every member derives the same keypair
@@ -106,6 +112,7 @@ def test_each_plane_gets_its_own_derived_secret():
     assert ClusterKey.generate().curve != key.curve
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("address, local", [
     ("tcp://127.0.0.1:5550", True), ("tcp://127.1.2.3:1", True), ("tcp://localhost:1", True),
     ("tcp://[::1]:1", True), ("ipc:///tmp/x", True), ("inproc://x", True),
@@ -116,6 +123,7 @@ def test_what_counts_as_staying_on_this_host(address, local):
     assert is_local(address) is local
 
 
+@pytest.mark.fast
 def test_addresses_beyond_loopback_need_a_key_and_the_error_names_the_flag():
     require_key_beyond_loopback(None, {"--bind": "tcp://127.0.0.1:5550", "--advertise": None})
     require_key_beyond_loopback(ClusterKey.generate(), {"--bind": "tcp://0.0.0.0:5550"})
@@ -130,6 +138,7 @@ def kvfence(*args: str, env: dict | None = None, timeout: float = 60) -> subproc
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_cluster_key_command_writes_a_key_and_refuses_to_overwrite_it(tmp_path):
     path = tmp_path / "cluster.key"
     done = kvfence("cluster-key", str(path))
@@ -144,6 +153,7 @@ def test_cluster_key_command_writes_a_key_and_refuses_to_overwrite_it(tmp_path):
     assert ClusterKey.load(path) != key
 
 
+@pytest.mark.slow
 def test_router_and_workers_refuse_to_reach_beyond_loopback_without_a_key(tmp_path):
     """Each exits at once (before loading anything) with an error that names --cluster-key (or the file and what
     is wrong with it)."""
@@ -197,6 +207,7 @@ def rogue_sockets(ctx: zmq.Context, to: str, key: ClusterKey) -> dict[str, zmq.S
     return sockets
 
 
+@pytest.mark.slow
 def test_members_talk_and_outsiders_deliver_nothing(caplog):
     key = ClusterKey.generate()
     inbox, member = Channel("tcp://127.0.0.1:0", key=key), Channel("tcp://127.0.0.1:0", key=key)
@@ -225,6 +236,7 @@ def test_members_talk_and_outsiders_deliver_nothing(caplog):
             ch.close()
 
 
+@pytest.mark.slow
 def test_a_member_never_sends_to_an_outsider_listening_at_a_members_address():
     """An outbox is a CURVE client that pins the cluster's server key: a process that took a member's address
     but lacks the key (or holds another cluster's) receives nothing."""
@@ -315,6 +327,7 @@ def heartbeat(ctx: zmq.Context, to: str, key: ClusterKey, data: bytes, stop: thr
     return thread
 
 
+@pytest.mark.slow
 def test_forged_hello_done_output_and_reject_from_outsiders_have_no_effect():
     """The test plays a member prefill and decode (the worker's ``Channel`` with the key) against a real router.
     Outsiders (no key, another cluster's key, only the public key) then forge a Hello, a Done to the decode worker,
@@ -371,6 +384,7 @@ def start_worker(role: str, router: str, log: Path, *extra: str, env: dict | Non
                             env={**{k: v for k, v in os.environ.items() if k != "KVFENCE_CLUSTER_KEY"}, **(env or {})})
 
 
+@pytest.mark.slow
 def test_rogue_worker_processes_never_join_and_receive_no_prompt(tmp_path, caplog):
     """Real ``kvfence prefill``/``decode`` processes: members with the key join and serve; a prefill worker with no
     key and a decode worker with another cluster's key start, keep trying, say why they cannot join, and are never
@@ -429,6 +443,7 @@ def test_rogue_worker_processes_never_join_and_receive_no_prompt(tmp_path, caplo
 # ---------------------------------------------------------------------------- what the engines do not fence
 
 
+@pytest.mark.slow
 def test_mooncake_lets_any_process_that_reaches_it_read_and_write_a_limit_kvfence_documents():
     """Mooncake's engine authenticates no peer: a process that never saw the decode worker's descriptor, only its
     engine's host:port (which a port scan finds; it listens on every interface), asks the engine for its buffer's

@@ -38,6 +38,7 @@ def reference(model):
         yield {p: completion(client, p) for p in PROMPTS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transfer", ["shm", "tcp", "mooncake", "nixl"])
 def test_every_data_plane_matches_colocated(model, reference, transfer):
     with Server("--model", model, "--transfer", transfer, *COMMON) as server:
@@ -45,6 +46,7 @@ def test_every_data_plane_matches_colocated(model, reference, transfer):
         assert {p: completion(client, p) for p in PROMPTS} == reference
 
 
+@pytest.mark.slow
 def test_prompt_up_to_the_full_context(model):
     prompt = [1000 + (i * 7919) % 40000 for i in range(4090)]  # token ids: 8 chunks, 6 tokens short of the context
     with Server("--mode", "colocated", "--model", model, *COMMON) as colocated:
@@ -77,6 +79,7 @@ def workers(server: Server, role: str) -> dict[str, dict]:
     return {w: info for w, info in server.health()["workers"].items() if info["role"] == role}
 
 
+@pytest.mark.slow
 def test_workers_report_their_cpu_capabilities_in_the_health_detail(model, four_workers):
     """Each worker's Hello carries what its model computes with (its backend and ``kernels.detect()``; the workers
     inherit this process's environment, so the same host and overrides), and the colocated engine's health says the
@@ -91,6 +94,7 @@ def test_workers_report_their_cpu_capabilities_in_the_health_detail(model, four_
         assert {k: colocated.health()[k] for k in want} == want
 
 
+@pytest.mark.slow
 def test_load_is_spread_and_streams_arrive_in_order(four_workers):
     async def stream(client, i: int) -> list[str]:
         out = await client.completions.create(model="llama", prompt=f"count {i}", max_tokens=24, stream=True,
@@ -109,6 +113,7 @@ def test_load_is_spread_and_streams_arrive_in_order(four_workers):
         assert all(info["assigned"] > 0 for info in workers(four_workers, role).values()), role
 
 
+@pytest.mark.slow
 def test_killed_decode_worker_fails_its_requests_fast_and_comes_back(four_workers):
     started: set[int] = set()
     victim: dict[str, object] = {}
@@ -161,6 +166,7 @@ def test_killed_decode_worker_fails_its_requests_fast_and_comes_back(four_worker
         pytest.fail("killed decode worker was not restarted")
 
 
+@pytest.mark.slow
 def test_malformed_control_messages_are_dropped_not_fatal(four_workers, cluster_key):
     """Junk from a member of the cluster (outsiders do not get through at all: tests/test_cluster.py)."""
     from kvfence.cluster import ClusterKey
@@ -187,6 +193,7 @@ def test_malformed_control_messages_are_dropped_not_fatal(four_workers, cluster_
         assert completion(four_workers.client(), f"still alive {i}")
 
 
+@pytest.mark.fast
 def test_data_plane_addresses_follow_the_workers_control_addresses():
     from kvfence.workers.settings import WorkerSettings
 
@@ -237,6 +244,7 @@ def listening_addresses(pid: int) -> set[str]:
     return found
 
 
+@pytest.mark.slow
 def test_readme_several_hosts_commands_serve_beyond_loopback(model, reference, tmp_path):
     """The README's "Several hosts" commands, one process per role, on this host's non-loopback address, with a
     cluster key made by `kvfence cluster-key`. The output equals colocated serving (over the tcp data plane sealed,

@@ -12,6 +12,9 @@ import pytest
 
 from tests.server import Server
 
+pytestmark = pytest.mark.slow
+
+
 CANARY = "Repeat exactly: the secret code is ZEBRA-4471."
 PROMPTS = [
     CANARY,

@@ -21,6 +21,9 @@ from tests.server import Server, wait_until
 from tests.test_edge import closed_by_server, connect, head, read_response, start_50_mb_upload
 from tests.tiny_models import tiny_model_dir
 
+pytestmark = pytest.mark.slow
+
+
 ADMIN = {"Authorization": "Bearer sk-admin"}
 TENANTS = ('[tenants.alice]\napi_keys = ["sk-alice"]\n\n[tenants.bob]\napi_keys = ["sk-bob"]\n\n'
            '[admin]\napi_keys = ["sk-admin"]\n\n[metrics]\napi_keys = ["sk-prom"]\n')

@@ -95,6 +95,7 @@ def hf_stepwise_logits(model, ids: list[int], first: int) -> torch.Tensor:
 # -- loading and the backend --------------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_loads_with_its_features(family):
     cfg = load(family).config
@@ -114,6 +115,7 @@ def test_each_family_loads_with_its_features(family):
         assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.rope_scaling["factor"] == 4096 / 64
 
 
+@pytest.mark.model
 def test_the_c_backend_runs_only_the_configs_it_computes_exactly():
     """Llama's forward with other rope tables or fused weights is the C backend's (Phi-3 without a window, Mistral
     with one covering the context); every other feature goes to torch, and the reason is said."""
@@ -131,6 +133,7 @@ def test_the_c_backend_runs_only_the_configs_it_computes_exactly():
                                          bf16, cpu)[1]
 
 
+@pytest.mark.model
 def test_the_window_changes_what_the_model_computes():
     """The tiny models' window really acts: without it, a prompt longer than the window gets other logits."""
     loaded = load("mistral")
@@ -144,6 +147,7 @@ def test_the_window_changes_what_the_model_computes():
     assert (windowed[WINDOW:] - plain[WINDOW:]).abs().max() > 0.1
 
 
+@pytest.mark.fast
 def test_unknown_architectures_are_refused_naming_the_supported_ones():
     with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported .*Gemma2ForCausalLM.*Gemma3ForCausalLM"
                        ".*MistralForCausalLM.*Phi3ForCausalLM"):
@@ -163,6 +167,7 @@ def test_unknown_architectures_are_refused_naming_the_supported_ones():
 # -- against transformers -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(family):
     """A prompt of many windows: in one forward, and in chunks then single-token decode steps. Phi-3's reference
@@ -178,6 +183,7 @@ def test_logits_match_transformers(family):
     assert_close(chunked, ref, CHUNK_REL_TOL)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_match_transformers_generate(family):
     """Eight prompts, most longer than the window. Phi-3's ``generate`` recomputes every position with the long
@@ -199,6 +205,7 @@ def test_greedy_tokens_match_transformers_generate(family):
 # -- the engine and batch invariance ------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_engine_chunked_and_paged_gives_the_tokens_of_one_forward(family):
     """All eight prompts at once through the engine (pages of 16, prefill chunks of 16 tokens, decode batched with
@@ -212,6 +219,7 @@ def test_the_engine_chunked_and_paged_gives_the_tokens_of_one_forward(family):
     assert [r.outputs[0].token_ids for r in got] == [greedy(model, p, NEW_TOKENS, chunk=len(p)) for p in ids]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_invariance(family, dtype):
@@ -237,6 +245,7 @@ def completion_ids(server: Server, model: str, prompt: list[int]) -> str:
     return reply.choices[0].text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_served_colocated_and_disaggregated_give_the_models_tokens(family):
     """Over HTTP with the openai client: colocated gives the text of the in-process greedy tokens (bf16, the

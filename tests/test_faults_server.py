@@ -17,6 +17,9 @@ import pytest
 
 from tests.server import Server
 
+pytestmark = pytest.mark.slow
+
+
 COMMON = ("--max-context", "4096", "--kv-pool-tokens", "16384")
 
 

@@ -30,6 +30,9 @@ from kvfence.router.limits import EdgeLimits
 from kvfence.router.tenants import Tenants
 from tests.server import wait_until
 
+pytestmark = pytest.mark.fast
+
+
 MODEL = "fake-model"
 KEYS = {"alice": ["sk-alice"], "bob": ["sk-bob"]}
 ERROR_KEYS = {"message", "type", "param", "code"}

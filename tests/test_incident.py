@@ -20,6 +20,9 @@ import pytest
 from kvfence.model.loader import describe_model
 from tests.server import ROOT, Server
 
+pytestmark = pytest.mark.slow
+
+
 DOCUMENT = " ".join(f"Section {i}: The quarterly report covers logistics, staffing and budgets for the northern "
                     "region." for i in range(60))
 CANARY = "Repeat exactly: the secret code is ZEBRA-4471."

@@ -16,6 +16,9 @@ import pytest
 from tests.conftest import TINY
 from tests.server import Server
 
+pytestmark = pytest.mark.slow
+
+
 KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
 ADMIN = "sk-admin"
 SYSTEM = "You are a careful assistant. " + "Answer every question about the quarterly report briefly. " * 8

@@ -13,10 +13,13 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from kvfence.workers.supervisor import _die_with_parent
 from tests.server import Server
 from tests.tiny_models import tiny_model_dir
+
+pytestmark = pytest.mark.slow
 
 
 def _worker(start_s: float) -> None:

@@ -9,6 +9,9 @@ from kvfence.model.describe import describe_model
 from tests.server import Server
 from tests.tiny_models import tiny_model_dir
 
+pytestmark = pytest.mark.slow
+
+
 ALICE = {"Authorization": "Bearer sk-alice"}
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 

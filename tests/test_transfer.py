@@ -34,6 +34,9 @@ from kvfence.transfer import (
 )
 from kvfence.transfer.harness import TargetProcess
 
+pytestmark = pytest.mark.slow
+
+
 PAGE = 4096
 POOL = (64 << 20) + 64 * PAGE  # a 64 MiB write plus room to place it off zero
 FILL = 0x5A
