@@ -88,7 +88,7 @@ def settled(server: Server, name: str) -> int:
     """``name`` once two readings a heartbeat and more apart agree (disaggregated: heartbeats carry it)."""
     last, deadline = metric(server, name), time.monotonic() + 15
     while time.monotonic() < deadline:
-        time.sleep(1.2)
+        time.sleep(1.2)  # what is checked is stability: two readings more than a heartbeat (1 s) apart agree
         if (now := metric(server, name)) == last:
             return now
         last = now
