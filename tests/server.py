@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -11,6 +14,28 @@ import openai
 from kvfence.tools.soak import LocalServer
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 10, what: str = "", every: float = 0.02) -> None:
+    """Poll ``condition()`` until it is true; fail naming ``what`` (or the condition) after ``timeout`` seconds.
+
+    The tests wait on the state they need with this, never with a bare sleep: a sleep long enough on a loaded
+    host is a waste on a quiet one, and a passing test after it proves nothing about what it slept for."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition.__name__}")
+        time.sleep(every)
+
+
+async def async_wait_until(condition: Callable[[], object], timeout: float = 10, what: str = "",
+                           every: float = 0.005) -> None:
+    """``wait_until`` for a test running in an event loop: it yields to the loop between polls."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition.__name__}")
+        await asyncio.sleep(every)
 
 
 def free_port() -> int:
@@ -44,6 +69,10 @@ class Server(LocalServer):
 
     def health(self, key: str | None = None) -> dict:
         return super().health(key or self.admin_key)
+
+    def log_text(self) -> str:
+        """All that the server and its workers have logged so far (``output`` is its tail)."""
+        return self.log_path.read_text()
 
     def client(self, key: str | None = None, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key, max_retries=0, **kw)

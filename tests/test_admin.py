@@ -38,11 +38,6 @@ ALICE = {"Authorization": "Bearer sk-alice"}
 BOB = {"Authorization": "Bearer sk-bob"}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def tenants() -> Tenants:
     return Tenants(KEYS, admin_keys=[ADMIN_KEY])
 
@@ -57,6 +52,7 @@ async def asgi(engine, tenants: Tenants, audit: AuditLog | None = None):
 # -- admin keys ------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_admin_section_is_loaded_and_its_keys_kept_only_as_digests(tmp_path):
     path = tmp_path / "tenants.toml"
     path.write_text(f'[tenants.alice]\napi_keys = ["sk-alice"]\n\n[admin]\napi_keys = ["{ADMIN_KEY}", "sk-admin-2"]\n')
@@ -67,6 +63,7 @@ def test_admin_section_is_loaded_and_its_keys_kept_only_as_digests(tmp_path):
     assert ADMIN_KEY not in repr(vars(t))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("admin, match", [
     ("api_keys = []", "non-empty list"),
     ('api_keys = ["a b"]', r"api_keys\[0\]"),
@@ -82,6 +79,7 @@ def test_malformed_admin_section_fails_at_load_without_printing_keys(tmp_path, a
     assert "sk-alice" not in str(e.value) and "sk-x" not in str(e.value)
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_admin_api_needs_an_admin_key_and_admin_keys_cannot_generate():
     engine = FakeEngine()
@@ -126,6 +124,7 @@ async def assert_model_unknown(c: httpx.AsyncClient, headers: dict) -> None:
                  "invalid_request_error", "model", "model_not_found")
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_private_model_is_an_unknown_model_to_tenants_not_allowed(caplog):
     engine = FakeEngine()
@@ -147,6 +146,7 @@ async def test_private_model_is_an_unknown_model_to_tenants_not_allowed(caplog):
     assert [r.tenant for r in engine.requests] == ["alice", "bob"]
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_private_without_a_body_hides_the_model_from_every_tenant():
     async with asgi(FakeEngine(), tenants()) as c:
@@ -155,6 +155,7 @@ async def test_private_without_a_body_hides_the_model_from_every_tenant():
         await assert_model_unknown(c, BOB)
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_private_needs_a_known_model_and_known_tenants():
     async with asgi(FakeEngine(), tenants()) as c:
@@ -173,6 +174,7 @@ async def test_private_needs_a_known_model_and_known_tenants():
 # -- public prefixes -----------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_a_published_prefix_marks_the_requests_that_start_with_it_and_only_while_published(caplog):
     engine = FakeEngine()
@@ -200,6 +202,7 @@ async def test_a_published_prefix_marks_the_requests_that_start_with_it_and_only
         ("alice", prefix["tokens"]), ("bob", prefix["tokens"]), ("alice", 0), ("alice", 0)]
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_only_an_admin_publishes_a_prefix_and_a_bad_one_is_refused():
     async with asgi(FakeEngine(), tenants()) as c:
@@ -224,6 +227,7 @@ async def test_only_an_admin_publishes_a_prefix_and_a_bad_one_is_refused():
 # -- draining: colocated -------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_draining_the_colocated_engine_makes_new_requests_503_until_undrained(caplog):
     engine = FakeEngine()
@@ -263,6 +267,7 @@ class GatedEngine(FakeEngine):
                 await self.gate.wait()
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_a_request_in_flight_on_a_drained_engine_finishes_normally():
     engine = GatedEngine()
@@ -297,6 +302,7 @@ def sent_to(actions) -> tuple[str, ...]:
     return tuple(a.to for a in actions if isinstance(a, Send))
 
 
+@pytest.mark.fast
 def test_core_never_picks_a_drained_worker():
     core = core_with(("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))
     core.drained |= {"d0", "p0"}
@@ -306,6 +312,7 @@ def test_core_never_picks_a_drained_worker():
     assert sent_to(core.submit(request(9))) == ("d0", "p0")  # undrained: the least loaded again
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_core_with_every_worker_of_a_role_drained_answers_503(role):
     core = core_with(("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
@@ -316,6 +323,7 @@ def test_core_with_every_worker_of_a_role_drained_answers_503(role):
     assert core.reqs == {}
 
 
+@pytest.mark.fast
 def test_core_drained_worker_finishes_its_requests_in_flight():
     core = core_with(("p0", "prefill"), ("d0", "decode"))
     core.submit(request())
@@ -325,6 +333,7 @@ def test_core_drained_worker_finishes_its_requests_in_flight():
     assert core.reqs == {}
 
 
+@pytest.mark.fast
 def test_core_drain_outlives_a_restart_of_the_worker():
     core = core_with(("p0", "prefill"), ("d0", "decode"))
     core.drained.add("d0")
@@ -350,6 +359,7 @@ def remote_engine():
         engine.channel.close()
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_disaggregated_workers_are_drained_by_url_encoded_id_or_index():
     decode = "tcp://127.0.0.1:1001"
@@ -372,6 +382,7 @@ async def test_disaggregated_workers_are_drained_by_url_encoded_id_or_index():
             assert (await c.get("/admin/workers", headers=ADMIN)).json()["data"][0]["id"] != decode
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_remote_engine_remembers_each_request_route_after_it_ended():
     with remote_engine() as engine:
@@ -394,6 +405,7 @@ def completion(client: openai.OpenAI, model: str) -> str:
                                      extra_body={"ignore_eos": True}).choices[0].text
 
 
+@pytest.mark.slow
 def test_admin_metrics_and_audit_log_on_a_real_server(tmp_path):
     tenants_file = tmp_path / "tenants.toml"
     tenants_file.write_text('[tenants.alice]\napi_keys = ["sk-alice"]\n\n[tenants.bob]\napi_keys = ["sk-bob"]\n\n'

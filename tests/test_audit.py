@@ -44,12 +44,14 @@ def tiny() -> str:
 # -- capacity math -----------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_usable_pool_tokens_counts_whole_pages_only():
     assert usable_pool_tokens(681_280, 16) == 681_280
     assert usable_pool_tokens(1000, 16) == 992
     assert usable_pool_tokens(15, 16) == 0
 
 
+@pytest.mark.fast
 def test_pool_from_memory_smollm2_shape():
     assert SMOLLM2.kv_bytes_per_token(2) == 23_040  # 2 (K,V) x 30 layers x 3 heads x 64 x 2 bytes
     # a page: 16 x 23,040 bytes of K/V + a 64-byte tag record = 368,704 bytes; 2 GiB holds 5,824 of them
@@ -58,6 +60,7 @@ def test_pool_from_memory_smollm2_shape():
     assert pool_tokens_for_memory(368_704 * 3 - 1, SMOLLM2, 16, 2) == 2 * 16  # one byte short of a third page
 
 
+@pytest.mark.fast
 def test_pool_from_memory_matches_what_a_worker_allocates():
     """The pool a budget gives is the largest whose region (pages + tags, ``KVLayout.nbytes``) fits in it."""
     for cfg, page_size, dtype_bytes, budget in ((SMOLLM2, 16, 2, 2 * GIB), (SMOLLM2, 32, 4, 3 * GIB + 12_345),
@@ -69,6 +72,7 @@ def test_pool_from_memory_matches_what_a_worker_allocates():
             pages * (page_size * cfg.kv_bytes_per_token(dtype_bytes) + TAG_BYTES)
 
 
+@pytest.mark.slow
 def test_pool_from_memory_tiny_config():
     _, cfg = describe(tiny())
     assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (TINY["num_hidden_layers"],
@@ -79,6 +83,7 @@ def test_pool_from_memory_tiny_config():
     assert pool_tokens_for_memory(2 * MIB, cfg, 16, 2) == 504 * 16
 
 
+@pytest.mark.fast
 def test_parse_bytes():
     assert parse_bytes("512MiB") == 512 * MIB
     assert parse_bytes("2GiB") == 2 * GIB
@@ -92,6 +97,7 @@ def test_parse_bytes():
 # -- preflight -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_preflight_refuses_the_incident_configuration():
     with pytest.raises(PreflightError) as caught:
         preflight("prefill", 681_280, 1_048_576)
@@ -101,6 +107,7 @@ def test_preflight_refuses_the_incident_configuration():
     assert "raise --prefill-pool-tokens to at least 1048576 or lower --max-context to at most 681280" in e.message
 
 
+@pytest.mark.fast
 def test_preflight_passes_a_pool_that_holds_the_context_and_rounds_its_fix_up_to_a_page():
     preflight("decode", 4096, 4096)
     preflight("colocated", 4112, 4096)
@@ -110,6 +117,7 @@ def test_preflight_passes_a_pool_that_holds_the_context_and_rounds_its_fix_up_to
         preflight("colocated", 4080, 4096)
 
 
+@pytest.mark.model
 def test_an_engine_built_in_code_runs_the_preflight_and_only_the_switch_lets_it_start():
     """L0 is on the serving path, not only on the command line: every engine (colocated, prefill, decode) checks its
     own pool when it is built."""
@@ -137,6 +145,7 @@ def audit(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
+@pytest.mark.slow
 def test_flags_incident_like_prefill_pool_is_undersized(capsys):
     rc, out, _ = audit(capsys, "--model", tiny(), "--prefill-pool-tokens", "1024", "--max-context", "4096",
                        "--prefill", "2")
@@ -149,6 +158,7 @@ def test_flags_incident_like_prefill_pool_is_undersized(capsys):
     assert out.count("fix (prefill): raise --prefill-pool-tokens to at least 4096") == 1
 
 
+@pytest.mark.slow
 def test_flags_default_pools_and_context_are_ok(capsys):
     """Defaults as ``kvfence serve``'s: the model's context (4,096 here), a prefill pool of 1 x that, decode 2 x.
 
@@ -162,6 +172,7 @@ def test_flags_default_pools_and_context_are_ok(capsys):
         ("prefill-0", 4_096, 4_096), ("decode-0", 8_192, 4_096)]
 
 
+@pytest.mark.slow
 def test_flags_pool_memory_and_the_most_specific_flag_wins(capsys):
     rc, out, _ = audit(capsys, "--model", tiny(), "--pool-memory", "2MiB", "--decode-pool-tokens", "100",
                        "--max-context", "96", "--json")
@@ -171,12 +182,14 @@ def test_flags_pool_memory_and_the_most_specific_flag_wins(capsys):
     assert rc == 1 and json.loads(out)["nodes"][0]["pool_tokens"] == 16
 
 
+@pytest.mark.slow
 def test_flags_colocated(capsys):
     rc, out, _ = audit(capsys, "--model", tiny(), "--mode", "colocated", "--kv-pool-tokens", "4095")
     assert rc == 1 and "colocated  colocated-0" in out
     assert "fix (colocated): raise --kv-pool-tokens to at least 4096 or lower --max-context to at most 4080" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["--prefill-pool-tokens", "10", "--prefill-pool-memory", "1GiB"], "tokens or in memory, not both"),
     (["--max-context", "5000"], "must be between 1 and the model's context length (4096)"),
@@ -188,6 +201,7 @@ def test_flags_usage_errors_exit_2(capsys, argv, message):
     assert rc == 2 and message in err
 
 
+@pytest.mark.fast
 def test_flags_bad_values_exit_2_from_argparse(capsys):
     for argv in (["--page-size", "0"], ["--pool-memory", "lots"]):
         with pytest.raises(SystemExit) as caught:
@@ -196,6 +210,7 @@ def test_flags_bad_values_exit_2_from_argparse(capsys):
     capsys.readouterr()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("argv", [["--page-size", "0"], ["--chunk-size", "0"], ["--step-tokens", "0"],
                                   ["--max-batch", "0"], ["--kv-pool-tokens", "-5"], ["--prefill", "0"],
                                   ["--threads", "-1"], ["--max-context", "0"], ["--step-tokens", "many"]])
@@ -266,6 +281,7 @@ def sglang_info(pool: int, context: int | None, mode: str = "null", page_size: i
             "version": "0.4.9"}
 
 
+@pytest.mark.slow
 def test_url_kvfence_disaggregated(capsys):
     workers = {"decode-a": worker("decode", 16_384), "prefill-b": worker("prefill", 1_030, max_context=2048),
                "prefill-a": worker("prefill", 8_192, max_context=8192)}
@@ -279,6 +295,7 @@ def test_url_kvfence_disaggregated(capsys):
         ("decode", "decode-a", 16_384, 4_096, True)]
 
 
+@pytest.mark.slow
 def test_url_kvfence_colocated_and_context_override(capsys):
     health = {"status": "ok", "mode": "colocated", "max_context": 4096, "kv_pool_tokens": 16_384}
     with FakeServer({"/health": (200, health)}) as server:
@@ -287,12 +304,14 @@ def test_url_kvfence_colocated_and_context_override(capsys):
     assert rc == 1 and "UNDERSIZED (3,616 short)" in out
 
 
+@pytest.mark.slow
 def test_url_kvfence_without_workers_exits_2(capsys):
     with FakeServer({"/health": (503, kvfence_health({}, status="waiting for workers"))}) as server:
         rc, _, err = audit(capsys, "--url", server.url)
     assert rc == 2 and "no workers have joined" in err
 
 
+@pytest.mark.slow
 def test_url_sglang_prefill_node_of_the_incident(capsys):
     """SGLang answers /health with an empty 200; newer versions serve /server_info, older /get_server_info."""
     info = sglang_info(681_280, 1_048_576, mode="prefill", page_size=64)
@@ -305,6 +324,7 @@ def test_url_sglang_prefill_node_of_the_incident(capsys):
     assert [path for path, _ in server.seen] == ["/health", "/server_info", "/get_server_info"]
 
 
+@pytest.mark.slow
 def test_url_sglang_context_from_v1_models_when_not_set(capsys):
     models = {"object": "list", "data": [{"id": "m", "max_model_len": 131_072}]}
     with FakeServer({"/server_info": (200, sglang_info(200_000, None)), "/v1/models": (200, models)}) as server:
@@ -316,6 +336,7 @@ def test_url_sglang_context_from_v1_models_when_not_set(capsys):
     assert rc == 2 and "pass the context it serves with --max-context" in err
 
 
+@pytest.mark.slow
 def test_url_sglang_pd_load_balancer_audits_every_backend(capsys):
     lb = {"internal_states": [], "prefill": [sglang_info(681_280, 1_048_576, "prefill", 64, 30001)],
           "decode": [sglang_info(2_000_010, 1_048_576, "decode", 64, 30002),
@@ -329,6 +350,7 @@ def test_url_sglang_pd_load_balancer_audits_every_backend(capsys):
         ("decode", "10.0.0.1:30003", 1_048_576, True)]
 
 
+@pytest.mark.slow
 def test_url_sends_the_key_and_asks_for_it(capsys):
     routes = {"/server_info": (200, sglang_info(10_000, 4096))}
     with FakeServer(routes, key="sk-ops") as server:
@@ -338,6 +360,7 @@ def test_url_sends_the_key_and_asks_for_it(capsys):
     assert server.seen[-1] == ("/server_info", "Bearer sk-ops")
 
 
+@pytest.mark.slow
 def test_url_unknown_or_unreachable_server_exits_2(capsys):
     with FakeServer({"/health": (200, {"status": "fine"})}) as server:
         rc, _, err = audit(capsys, "--url", server.url)
@@ -346,6 +369,7 @@ def test_url_unknown_or_unreachable_server_exits_2(capsys):
     assert rc == 2 and "cannot reach" in err
 
 
+@pytest.mark.slow
 def test_url_several_servers_in_one_audit(capsys):
     with FakeServer({"/server_info": (200, sglang_info(1_048_576, 1_048_576, "prefill"))}) as p, \
             FakeServer({"/server_info": (200, sglang_info(1_048_576, 1_048_576, "decode"))}) as d:
@@ -353,6 +377,7 @@ def test_url_several_servers_in_one_audit(capsys):
     assert rc == 0 and "OK: all 2 nodes hold one request of the full context" in out
 
 
+@pytest.mark.slow
 def test_cli_subprocess_audits_a_running_server():
     info = sglang_info(681_280, 1_048_576, mode="prefill", page_size=64)
     with FakeServer({"/server_info": (200, info)}) as server:

@@ -14,6 +14,9 @@ from kvfence.auditlog import AuditLog, AuditRecord, read_records, rid_hex
 from kvfence.cli import main
 from kvfence.tools.auditlog import Query, parse_status, parse_time
 
+pytestmark = pytest.mark.fast
+
+
 T0 = 1_790_000_000.0  # 2026-09-21T14:13:20Z
 POOL = 681_280  # the incident's prefill pool
 

@@ -40,6 +40,7 @@ def caps(flavour: str | None) -> kernels.Capabilities:
     return dataclasses.replace(CAPS, flavour=flavour)
 
 
+@pytest.mark.fast
 def test_the_c_backend_is_chosen_where_the_kernels_run_and_fit_the_heads():
     assert choose_backend(caps("avx2"), config(), BF16, CPU)[0] is CBackend
     assert choose_backend(caps(None), config(), BF16, CPU)[0] is TorchBackend  # no C kernels (KVFENCE_CPU=none)
@@ -48,6 +49,7 @@ def test_the_c_backend_is_chosen_where_the_kernels_run_and_fit_the_heads():
     assert choose_backend(caps("amx"), config(head_dim=24), BF16, CPU)[0] is TorchBackend  # attention does not fit
 
 
+@pytest.mark.model
 def test_the_backend_names_this_processs_flavour():
     """What the logs and the health detail show: ``c-<flavour>`` where the C kernels run (``KVFENCE_CPU`` caps the
     flavour; the forced runs below set it), else ``torch``."""
@@ -73,6 +75,7 @@ def backends_here(arch: str) -> dict[str, Model]:
     return models
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("arch", [*ARCHS, "phi3-plain"])  # Phi-3 without a window: Llama's forward, fused weights
 def test_every_backend_gives_the_greedy_tokens_of_the_torch_reference(arch):
     """Teacher-forced on torch's greedy continuation, each backend's logits (every prompt row too) lie within bf16
@@ -105,6 +108,7 @@ def logits_along(model: Model, ids: list[int], tokens: list[int]) -> torch.Tenso
     return torch.cat(rows)
 
 
+@pytest.mark.fast
 def test_raw_pointers_stay_in_the_c_backend_and_the_kernels():
     """``data_ptr`` and ``ctypes`` appear in kvfence/model only where ``POINTERS`` says."""
     found = {str(p.relative_to(MODEL_DIR)) for p in MODEL_DIR.rglob("*.py")
@@ -112,6 +116,7 @@ def test_raw_pointers_stay_in_the_c_backend_and_the_kernels():
     assert found == set(POINTERS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("forced", [f for f in ("amx", "avx512", "avx2", "none") if f != CAPS.flavour])
 def test_every_forced_flavour_gets_its_backend_and_the_reference_tokens(forced):

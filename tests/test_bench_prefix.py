@@ -3,8 +3,13 @@
 import importlib.util
 import random
 
+import pytest
+
 from kvfence.tools.probe import ISOLATED, LEAK
 from tests.server import ROOT
+
+pytestmark = pytest.mark.fast
+
 
 spec = importlib.util.spec_from_file_location("bench_prefix", ROOT / "bench" / "prefix.py")
 prefix = importlib.util.module_from_spec(spec)

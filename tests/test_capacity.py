@@ -18,14 +18,13 @@ from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.router.queued import QueuedEngine
 from kvfence.router.tenants import TenantConfigError, Tenants
 from kvfence.safety import Safety
+from tests.server import async_wait_until
 from tests.test_http import KEYS, FakeEngine, chat_body, make_app
 
+pytestmark = pytest.mark.fast
+
+
 R, P, D = "router", "prefill-0", "decode-0"
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 def req(rid: int, tenant: str = "alice", n: int = 16, max_tokens: int = 16) -> Request:
@@ -337,15 +336,14 @@ async def test_colocated_requests_wait_for_room_leave_the_queue_when_cancelled_a
     one, _ = await first_output(1, "bob"), await first_output(2, "bob")  # 2 pages each: the pool is full
     assert one.queue_time is not None and [r.rid for r in engine.requests] == [1, 2]
     waiting = asyncio.create_task(first_output(3, "bob"))
-    await asyncio.sleep(0)
+    await async_wait_until(lambda: queued.health()["queued"] == 1, what="bob's third request queued")
     assert queued.health()["queued_by_tenant"] == {"bob": 1}
     with pytest.raises(TooManyRequests):
         await first_output(4, "bob")
     leaving = asyncio.create_task(first_output(5, "alice"))
-    await asyncio.sleep(0)
+    await async_wait_until(lambda: queued.health()["queued"] == 2, what="alice's request queued")
     leaving.cancel()
-    await asyncio.sleep(0)
-    assert queued.health()["queued"] == 1  # alice's left; bob's waits
+    await async_wait_until(lambda: queued.health()["queued"] == 1, what="alice's cancelled request gone")  # bob's waits
     engine.release.set()
     async for _ in streams[0]:  # 1 ends: its pages are free for 3
         pass

@@ -22,6 +22,9 @@ import pytest
 from tests.server import Server
 from tests.tiny_models import tiny_model_dir
 
+pytestmark = pytest.mark.slow
+
+
 TENANTS = '[tenants.alice]\napi_keys = ["sk-alice"]\n\n[tenants.bob]\napi_keys = ["sk-bob"]\n'
 FLOOD_STREAMS = 16
 
@@ -76,7 +79,7 @@ async def _flood_and_chat(bob: openai.AsyncOpenAI, alice: openai.AsyncOpenAI) ->
                 bob_ttft.append(ttft)
 
     floods = [asyncio.create_task(flood(150 + 25 * (i % 5))) for i in range(FLOOD_STREAMS)]  # ends spread out
-    await asyncio.sleep(queue_formed - time.monotonic())
+    await asyncio.sleep(queue_formed - time.monotonic())  # the workload: 3 s of bob's flood before alice starts
     deadline = time.monotonic() + 60
     i = 0  # ten chats of alice's, and on until bob has eight first tokens (a fast host serves alice quickly)
     while i < 10 or (len(bob_ttft) < 8 and time.monotonic() < deadline):
@@ -85,7 +88,7 @@ async def _flood_and_chat(bob: openai.AsyncOpenAI, alice: openai.AsyncOpenAI) ->
         except openai.APIStatusError as e:
             errors.append(e.status_code)
         i += 1
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the workload: alice is a light user, one chat every half second
     for task in floods:  # bob's clients leave, queued or streaming
         task.cancel()
     await asyncio.gather(*floods, return_exceptions=True)

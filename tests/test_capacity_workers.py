@@ -26,11 +26,6 @@ CHUNK = 64  # the pair's chunk size; with step_tokens=64, one chunk a prefill st
 LONG = [5 + i % 4000 for i in range(1024)]  # 16 chunks
 
 
-@pytest.fixture(scope="module")
-def model() -> str:
-    return str(tiny_model_dir("llama"))
-
-
 def chunk_log(pair: Pair) -> list[tuple[int, int]]:
     """Every prompt chunk prefill computes from now on, as (rid, tokens computed so far)."""
     log: list[tuple[int, int]] = []
@@ -54,6 +49,7 @@ def assert_released(pair: Pair) -> None:
     pair.decode.check_integrity()
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("stop", [True, False], ids=["cancel-stops-prefill", "without-cancel"])
 def test_prefill_stops_computing_a_prompt_whose_client_left(model, monkeypatch, stop):
     """The client leaves after 3 of 16 chunks. L7 still holds decode's cancel until the handoff ends, but prefill
@@ -78,6 +74,7 @@ def test_prefill_stops_computing_a_prompt_whose_client_left(model, monkeypatch, 
         assert len(log) == len(LONG) // CHUNK
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [True, False], ids=["with-progress", "without-progress"])
 def test_prefill_progress_keeps_a_long_handoff_alive(model, monkeypatch, progress):
     """A 1,024-token prompt computed one chunk at a time, 0.5 s apart, takes 8 s: four times the 2 s handoff
@@ -94,7 +91,7 @@ def test_prefill_progress_keeps_a_long_handoff_alive(model, monkeypatch, progres
     while not result.ended:
         assert time.monotonic() < deadline
         pair.step()
-        time.sleep(0.5)
+        time.sleep(0.5)  # the behaviour under test: one chunk per step, 0.5 s apart (see the docstring)
     if progress:
         assert result.finish_reason == "length" and len(result.tokens) == 4
         assert len(log) == len(LONG) // CHUNK
@@ -106,6 +103,7 @@ def test_prefill_progress_keeps_a_long_handoff_alive(model, monkeypatch, progres
         assert computed == len(log) < len(LONG) // CHUNK
 
 
+@pytest.mark.model
 def test_decode_preempts_the_flooding_tenant_and_reports_it(model):
     """Decode's pool (24 pages of 16 tokens) cannot hold four 16-token prompts growing to 16 + 100 tokens. bob's
     three requests and alice's one are sent at once (the router's reservations off, as for outputs beyond them):
@@ -126,6 +124,7 @@ def test_decode_preempts_the_flooding_tenant_and_reports_it(model):
     assert_released(pair)
 
 
+@pytest.mark.slow
 def test_a_real_server_counts_decodes_preemptions_per_tenant(tmp_path):
     """``kvfence serve`` with a 70-page pool: the router reserves 528 tokens (prompt + 512) for each of bob's two
     600-token generations, so both go, and they outgrow the pool at decode. Decode preempts one, recomputes it,

@@ -10,6 +10,9 @@ import pytest
 
 from kvfence import cbuild
 
+pytestmark = pytest.mark.fast
+
+
 SOURCE = Path(cbuild.__file__).parent / "kvcache" / "tag_check.c"
 
 

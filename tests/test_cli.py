@@ -21,11 +21,13 @@ def kvfence(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           cwd=ROOT, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_version():
     run = kvfence("--version")
     assert run.returncode == 0 and run.stdout.startswith("kvfence ")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, says", [("/no/such/model", "no file or directory /no/such/model"),
                                          ("/tmp", "has no config.json"),
                                          (__file__, "not a .gguf one")])
@@ -36,6 +38,7 @@ def test_a_wrong_model_is_one_line_saying_what_was_tried_and_what_exists(model, 
     assert says in line and "'smollm2-135m'" in line and "Traceback" not in run.stderr
 
 
+@pytest.mark.fast
 def test_every_flag_reads_a_kvfence_variable_and_the_command_line_wins(monkeypatch):
     monkeypatch.setenv("KVFENCE_PORT", "9123")
     monkeypatch.setenv("KVFENCE_DOCS", "yes")
@@ -49,6 +52,7 @@ def test_every_flag_reads_a_kvfence_variable_and_the_command_line_wins(monkeypat
     assert build_parser().parse_args(["decode"]).router == "tcp://127.0.0.1:5550"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, value", [("KVFENCE_PORT", "eighty"), ("KVFENCE_DOCS", "maybe"),
                                          ("KVFENCE_TRANSFER", "carrier-pigeon")])
 def test_a_bad_kvfence_variable_is_a_usage_error_naming_it(name, value):
@@ -56,6 +60,7 @@ def test_a_bad_kvfence_variable_is_a_usage_error_naming_it(name, value):
     assert run.returncode == 2 and name in run.stderr
 
 
+@pytest.mark.fast
 def test_prefix_caching_is_on_unless_turned_off_by_flag_or_variable(monkeypatch):
     parse = build_parser().parse_args
     assert parse(["serve"]).enable_prefix_caching and parse(["prefill", "--router", "ipc://r"]).enable_prefix_caching
@@ -65,12 +70,14 @@ def test_prefix_caching_is_on_unless_turned_off_by_flag_or_variable(monkeypatch)
     assert build_parser().parse_args(["serve", "--enable-prefix-caching"]).enable_prefix_caching
 
 
+@pytest.mark.fast
 def test_global_flags_are_accepted_after_the_subcommand():
     assert build_parser().parse_args(["serve", "--log-level", "DEBUG"]).log_level == "DEBUG"
     assert build_parser().parse_args(["--log-level", "ERROR", "serve"]).log_level == "ERROR"
     assert build_parser().parse_args(["serve"]).log_level == "INFO"
 
 
+@pytest.mark.slow
 def test_api_key_and_chat_template_on_a_real_server(tmp_path):
     model = str(tiny_model_dir("llama"))
     template = tmp_path / "plain.jinja"
@@ -84,6 +91,7 @@ def test_api_key_and_chat_template_on_a_real_server(tmp_path):
     assert reply.usage.prompt_tokens == len(describe_model(model)[2].encode("hello world"))
 
 
+@pytest.mark.slow
 def test_api_key_and_tenants_exclude_each_other():
     run = kvfence("serve", "--api-key", "k", "--tenants", "t.toml")
     assert run.returncode != 0 and "--api-key and --tenants" in run.stderr

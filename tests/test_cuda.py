@@ -22,7 +22,12 @@ from tests.server import Server
 from tests.test_model import CHUNK_REL_TOL, REL_TOL, assert_close, check_invariance, prefill, varied_text
 from tests.tiny_models import ARCHS, greedy, smollm2_shaped_dir, tiny_model_dir
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+def needs_cuda(test):
+    """The ``gpu`` mark, and a skip where torch sees no GPU."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
 CUDA = "cuda"
 
 
@@ -40,6 +45,7 @@ def shaped():
     return load_model(str(smollm2_shaped_dir()), dtype=torch.bfloat16, device=CUDA)
 
 
+@pytest.mark.model
 @needs_cuda
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_models_on_cuda_match_transformers(arch, full_fp32):
@@ -61,12 +67,14 @@ def test_tiny_models_on_cuda_match_transformers(arch, full_fp32):
     assert greedy(ours.model, prompt, 24, eos=frozenset([2])) == theirs
 
 
+@pytest.mark.model
 @needs_cuda
 def test_batch_invariance_on_cuda(shaped):
     """cuBLAS picks GEMM kernels by shape like a CPU BLAS: the calibrated row blocks keep each row's bits."""
     check_invariance(shaped, long_prefill=2048, decoders=31)
 
 
+@pytest.mark.model
 @needs_cuda
 def test_engine_on_cuda_answers_alike_alone_and_together(shaped):
     cfg = EngineConfig(max_context=1024, kv_pool_tokens=32 * 1024, page_size=16, max_batch=32)
@@ -91,6 +99,7 @@ def test_engine_on_cuda_answers_alike_alone_and_together(shaped):
     assert run(prompts[:3], seeded) == run(prompts[:3], seeded)
 
 
+@pytest.mark.slow
 @needs_cuda
 def test_servers_on_cuda_serve_the_openai_client_and_agree():
     """Colocated and disaggregated (shm, staged through host memory) on the GPU: the same greedy answers,
@@ -118,6 +127,7 @@ def test_servers_on_cuda_serve_the_openai_client_and_agree():
     assert answers[0] == answers[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a host without a GPU")
 def test_cuda_without_a_gpu_is_a_clear_error():
     server = Server("--mode", "colocated", "--device", "cuda", "--model", str(tiny_model_dir("llama")),

@@ -12,6 +12,9 @@ import pytest
 
 from tests.server import Server
 
+pytestmark = pytest.mark.slow
+
+
 CANARY = "Repeat exactly: the secret code is ZEBRA-4471."
 PROMPTS = [
     CANARY,
@@ -30,13 +33,6 @@ def chat(client: openai.OpenAI, prompt: str, **kw) -> str:
     reply = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
                                            **{**GREEDY, **kw})
     return reply.choices[0].message.content
-
-
-@pytest.fixture(scope="module")
-def tenants_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text('[tenants.alice]\napi_keys = ["sk-alice"]\n\n[tenants.bob]\napi_keys = ["sk-bob"]\n')
-    return path
 
 
 @pytest.fixture(scope="module")

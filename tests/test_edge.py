@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import pytest
 from kvfence.auditlog import AuditLog, AuditRecord, read_records
 from kvfence.core import Request, RequestOutput, SamplingParams, ServiceUnavailable
 from kvfence.protocol.router import RouterCore
+from kvfence.router import app as app_module
 from kvfence.router.app import _error_response, create_app
 from kvfence.router.exposure import FailedLogins, redact
 from kvfence.router.fair import FairPool, TooManyRequests
@@ -31,15 +33,11 @@ from kvfence.router.limits import EdgeLimits, default_max_request_bytes
 from kvfence.router.metrics import Metrics
 from kvfence.router.tenants import Tenants
 from kvfence.safety import Safety
+from tests.server import async_wait_until, wait_until
 from tests.test_admin import ADMIN, ADMIN_KEY, ALICE, BOB, hello
-from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body, serving
+from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body, open_connections, serving
 
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 def tenants() -> Tenants:
@@ -83,6 +81,7 @@ async def post_raw(c: httpx.AsyncClient, path: str, body: str | bytes, headers: 
     return await c.post(path, content=data, headers=JSON | (headers or ALICE))
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_non_finite_numbers_anywhere_are_400_at_once_and_recorded(tmp_path):
     engine, path = FakeEngine(), tmp_path / "audit.jsonl"
@@ -107,6 +106,7 @@ async def test_non_finite_numbers_anywhere_are_400_at_once_and_recorded(tmp_path
     assert [(r.tenant, r.status, r.admission) for r in records] == [("alice", 400, "rejected")] * (len(bodies) + 1)
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 @pytest.mark.parametrize("field, param", WRONG_TYPES)
 async def test_wrong_json_types_are_400_naming_the_param(field, param):
@@ -120,6 +120,7 @@ async def test_wrong_json_types_are_400_naming_the_param(field, param):
     assert engine.requests == []
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 @pytest.mark.parametrize("field, param", [
     ('"messages": [{"role": 5, "content": "hi"}]', "messages.[0].role"),
@@ -132,6 +133,7 @@ async def test_nested_message_fields_are_typed_strictly(field, param):
         assert_error(await post_raw(c, "/v1/chat/completions", f"{{{field}}}"), 400, "invalid_request_error", param)
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_floats_may_be_json_integers_and_the_neutral_values_pass():
     engine = FakeEngine()
@@ -143,6 +145,7 @@ async def test_floats_may_be_json_integers_and_the_neutral_values_pass():
     assert (engine.requests[0].params.temperature, engine.requests[0].params.seed) == (1.0, -3)
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 @pytest.mark.parametrize("body", [b'{"messages": ', b"", b"[1, 2]", b'"hi"', b"\xff\xfe{}", b"[" * 100_000,
                                   b'{"prompt": ' + b"9" * 5000 + b"}"])
@@ -178,6 +181,7 @@ SURROGATE_CASES = [
 ]
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_a_lone_surrogate_anywhere_is_400_naming_the_param_with_one_audit_record(tmp_path):
     engine, path = FakeEngine(), tmp_path / "audit.jsonl"
@@ -218,6 +222,7 @@ async def call_app(app, scope: dict, receive) -> tuple[int, dict, dict]:
     return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, json.loads(body)
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_content_length_over_the_limit_is_413_before_a_byte_is_read(tmp_path):
     path, pulled = tmp_path / "audit.jsonl", []
@@ -236,6 +241,7 @@ async def test_content_length_over_the_limit_is_413_before_a_byte_is_read(tmp_pa
     assert (record.tenant, record.status, record.error_code) == ("alice", 413, "request_too_large")
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_a_chunked_body_is_cut_as_soon_as_it_passes_the_limit():
     pulled = 0
@@ -251,6 +257,7 @@ async def test_a_chunked_body_is_cut_as_soon_as_it_passes_the_limit():
     assert pulled == 1_000_000 // 65536 + 1  # never more than the limit and one chunk
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_a_body_slower_than_the_body_timeout_is_408_and_recorded(tmp_path):
     path = tmp_path / "audit.jsonl"
@@ -272,6 +279,7 @@ async def test_a_body_slower_than_the_body_timeout_is_408_and_recorded(tmp_path)
     assert (record.tenant, record.status) == ("alice", 408)
 
 
+@pytest.mark.fast
 def test_the_default_limit_fits_a_max_context_prompt_in_every_json_form():
     context = 8192
     limit = default_max_request_bytes(context)
@@ -281,6 +289,7 @@ def test_the_default_limit_fits_a_max_context_prompt_in_every_json_form():
     assert limit == 2 * 2**20  # 2 MiB at 8,192 tokens, as --help says
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_admin_bodies_are_capped_and_parsed_strictly_too():
     async with asgi(FakeEngine(), limits=EdgeLimits(max_request_bytes=100)) as c:
@@ -295,6 +304,7 @@ async def test_admin_bodies_are_capped_and_parsed_strictly_too():
 # -- paths ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 @pytest.mark.parametrize("path", ["/v1/chat%2Fcompletions", "/v1/chat%2fcompletions", "/v1%2Fchat%2Fcompletions",
                                   "/v1/chat%5Ccompletions", "/v1/chat/completions/", "//v1/chat/completions",
@@ -309,6 +319,7 @@ async def test_no_path_aliases_and_no_redirects(path):
     assert engine.requests == []
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_escaped_separators_stay_inside_a_path_parameter():
     async with asgi(FakeEngine()) as c:
@@ -321,6 +332,7 @@ async def test_escaped_separators_stay_inside_a_path_parameter():
         assert (await c.get("/v1/models/fake-%6Dodel", headers=ALICE)).status_code == 200  # an escaped letter
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_api_docs_are_off_unless_asked_for():
     async with asgi(FakeEngine()) as c:
@@ -339,6 +351,7 @@ async def test_api_docs_are_off_unless_asked_for():
 # -- least exposure -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_health_says_only_ready_or_not_without_an_admin_key():
     engine = FakeEngine()
@@ -361,6 +374,7 @@ async def test_health_says_only_ready_or_not_without_an_admin_key():
             assert (resp.status_code, resp.json()) == (503, {"status": "unavailable"})
 
 
+@pytest.mark.fast
 def test_redact_removes_every_internal_address():
     for text in ("worker tcp://127.0.0.1:5551 died", "from tcp://[::1]:5551, to ipc:///tmp/kv.sock",
                  "connect to 10.0.0.5:7000 refused", "peer [fe80::1]:99 gone", "host 192.168.1.20 down"):
@@ -372,6 +386,7 @@ def test_redact_removes_every_internal_address():
     assert redact(plain) == plain
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 @pytest.mark.parametrize("stream", [False, True])
 async def test_error_bodies_never_name_internal_addresses(stream):
@@ -385,6 +400,7 @@ async def test_error_bodies_never_name_internal_addresses(stream):
     assert resp.status_code == 200 and '"error"' in resp.text and "10.1.2.3" not in resp.text
 
 
+@pytest.mark.fast
 def test_the_router_core_names_no_worker_address_in_a_client_error():
     core = RouterCore("tcp://127.0.0.1:5550", 512, Safety(), silence_timeout=1)
     for worker, role in (("tcp://127.0.0.1:5551", "prefill"), ("tcp://127.0.0.1:5552", "decode")):
@@ -401,6 +417,7 @@ def test_the_router_core_names_no_worker_address_in_a_client_error():
     assert "decode worker" in errors[0].message and "no word" in errors[2].message
 
 
+@pytest.mark.fast
 def test_failed_logins_are_logged_at_most_once_per_address_and_interval(caplog):
     now = [0.0]
     metrics = Metrics(FakeEngine())
@@ -420,6 +437,7 @@ def test_failed_logins_are_logged_at_most_once_per_address_and_interval(caplog):
     assert 'kvfence_auth_failures_total{reason="unknown_key"} 5.0' in text
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_every_refused_key_is_counted_and_logged_without_key_material(caplog):
     async with asgi(FakeEngine()) as c:
@@ -441,6 +459,7 @@ async def test_every_refused_key_is_counted_and_logged_without_key_material(capl
 # -- fair tokenization ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_fair_pool_serves_tenants_round_robin_one_job_each_at_a_time():
     pool, order, gate = FairPool(max_pending_cost=10**9, threads=1), [], threading.Event()
@@ -453,18 +472,19 @@ async def test_fair_pool_serves_tenants_round_robin_one_job_each_at_a_time():
 
     tasks = [asyncio.create_task(pool.run(t, 1, lambda n=n: job(n))) for t, n in
              (("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1"), ("c", "c1"), ("b", "b2"))]
-    await asyncio.sleep(0.05)
+    await async_wait_until(lambda: [pool.pending(t) for t in "abc"] == [3, 2, 1], what="every job queued")
     gate.set()
     assert await asyncio.gather(*tasks) == ["a1", "a2", "a3", "b1", "c1", "b2"]
     assert order == ["a1", "b1", "c1", "a2", "b2", "a3"]
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_fair_pool_bounds_pending_work_per_tenant_and_withdraws_cancelled_jobs():
     pool, gate = FairPool(max_pending_cost=100_000, threads=1), threading.Event()
     first = asyncio.create_task(pool.run("a", 60_000, lambda: gate.wait(5)))
     waiting = asyncio.create_task(pool.run("a", 20_000, lambda: "ran"))
-    await asyncio.sleep(0.05)
+    await async_wait_until(lambda: pool.pending("a") == 2, what="a's two jobs pending")
     with pytest.raises(TooManyRequests) as refused:
         await pool.run("a", 30_000, lambda: None)  # 60k + 20k + 30k > 100k
     answer = _error_response(refused.value)
@@ -472,8 +492,7 @@ async def test_fair_pool_bounds_pending_work_per_tenant_and_withdraws_cancelled_
     assert json.loads(answer.body)["error"]["code"] == "rate_limit_exceeded"
     other = asyncio.create_task(pool.run("b", 10**9, lambda: "b ok"))  # nothing pending: always admitted
     waiting.cancel()
-    await asyncio.sleep(0.05)
-    assert pool.pending("a") == 1
+    await async_wait_until(lambda: pool.pending("a") == 1, what="the cancelled job withdrawn")
     gate.set()
     assert await first and await other == "b ok"
     assert pool.pending("a") == pool.pending("b") == 0
@@ -487,17 +506,26 @@ class SlowTokenizer(FakeTokenizer):
         return super().encode(text)[:8]
 
 
-def test_one_tenants_burst_of_large_requests_does_not_delay_another_tenant():
+@pytest.mark.slow
+def test_one_tenants_burst_of_large_requests_does_not_delay_another_tenant(monkeypatch):
     """Alice sends 4 requests that each take 1 s to tokenize; Bob's small one, sent after them, is answered
     about at once: alice holds one of the 2 threads at most (one shared thread, first come first served, made him
     wait 4 s; one thread served round-robin would still make him wait for the rest of alice's job)."""
+    submitted: Counter[str] = Counter()
+
+    class SeenPool(FairPool):  # counts the jobs each tenant has handed to the app's pool
+        async def run(self, tenant, cost, fn):
+            submitted[tenant] += 1
+            return await super().run(tenant, cost, fn)
+
+    monkeypatch.setattr(app_module, "FairPool", SeenPool)
     engine = FakeEngine(max_context=4096)
     with serving(engine, tenants(), tokenizer=SlowTokenizer()) as url:
         async def run() -> float:
             async with httpx.AsyncClient(base_url=url, timeout=30) as c:
                 big = {"prompt": "x" * 100_000, "max_tokens": 2}
                 burst = [asyncio.create_task(c.post("/v1/completions", json=big, headers=ALICE)) for _ in range(4)]
-                await asyncio.sleep(0.2)  # alice's jobs are queued and running
+                await async_wait_until(lambda: submitted["alice"] == 4, what="alice's 4 jobs in the pool")
                 started = time.monotonic()
                 small = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=BOB)
                 bob_waited = time.monotonic() - started
@@ -560,6 +588,7 @@ def edge_server(engine: FakeEngine | None = None, limits: EdgeLimits = EDGE, aud
         yield url
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"])
 def test_headers_that_never_finish_get_408_and_the_connection_closes(sent):
     with edge_server() as url, connect(url) as sock:
@@ -571,6 +600,7 @@ def test_headers_that_never_finish_get_408_and_the_connection_closes(sent):
         assert 0.4 < time.monotonic() - started < 2.5
 
 
+@pytest.mark.fast
 def test_a_stalled_body_gets_408_and_its_audit_record(tmp_path):
     path = tmp_path / "audit.jsonl"
     with AuditLog(path) as audit, edge_server(audit=audit) as url, connect(url) as sock:
@@ -583,6 +613,7 @@ def test_a_stalled_body_gets_408_and_its_audit_record(tmp_path):
     assert (record.tenant, record.status, record.error_code) == ("alice", 408, "request_timeout")
 
 
+@pytest.mark.slow
 def test_an_unread_body_that_trickles_on_is_cut_too():
     """A 401 is answered without reading the body; a client trickling the rest is still cut off."""
     with edge_server() as url, connect(url) as sock:
@@ -593,15 +624,16 @@ def test_an_unread_body_that_trickles_on_is_cut_too():
         with contextlib.suppress(OSError):
             for _ in range(30):
                 sock.sendall(b" ")
-                time.sleep(0.1)
+                time.sleep(0.1)  # the behaviour under test: a client that trickles a byte every 100 ms
         assert closed_by_server(sock, 3) and time.monotonic() - started < 3.5
 
 
+@pytest.mark.slow
 def test_streams_and_keep_alive_are_not_cut_by_the_read_timeouts():
     class SlowEngine(FakeEngine):
         async def generate(self, request):
             async for out in super().generate(request):
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(0.25)  # the behaviour under test: a stream slower than the read timeouts
                 yield out
 
     engine = SlowEngine(pieces=tuple("abcdef"))
@@ -617,21 +649,22 @@ def test_streams_and_keep_alive_are_not_cut_by_the_read_timeouts():
             for _ in range(2):
                 sock.sendall(head("/v1/completions", len(body)) + body)
                 assert read_response(sock)[0] == 200
-                time.sleep(1)
+                time.sleep(1)  # the behaviour under test: an idle keep-alive connection outlives the read timeouts
 
 
+@pytest.mark.fast
 def test_connections_per_client_address_are_bounded():
     limits = EdgeLimits(header_timeout=30, max_connections_per_client=3)
     with edge_server(limits=limits) as url:
         held = [connect(url) for _ in range(3)]
-        time.sleep(0.1)
+        wait_until(lambda: open_connections(url) == 3, 5, "the server to count the 3 connections")
         with connect(url) as extra:
             extra.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
             status, _, body = read_response(extra)
             assert (status, json.loads(body)["error"]["code"]) == (429, "too_many_connections")
             assert closed_by_server(extra, 3)
         held.pop().close()
-        time.sleep(0.1)
+        wait_until(lambda: open_connections(url) == 2, 5, "the server to see one close")
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         for sock in held:
             sock.close()
@@ -654,6 +687,7 @@ def start_50_mb_upload(sock: socket.socket, path: str, chunked: bool) -> threadi
     return uploader
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_50_mb_body_gets_413_at_once_and_the_client_reads_it(chunked):
     limits = EdgeLimits(max_request_bytes=1_000_000)
@@ -669,6 +703,7 @@ def test_a_50_mb_body_gets_413_at_once_and_the_client_reads_it(chunked):
         assert closed_by_server(sock, 5)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("request_bytes", [b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 20_000])
 def test_unparsable_requests_and_huge_headers_get_400_in_openai_shape(request_bytes):
     with edge_server() as url, connect(url) as sock:
@@ -678,6 +713,7 @@ def test_unparsable_requests_and_huge_headers_get_400_in_openai_shape(request_by
         assert closed_by_server(sock, 2)
 
 
+@pytest.mark.fast
 def test_raw_dot_segments_are_not_normalized_into_a_route():
     engine = FakeEngine()
     with edge_server(engine) as url:
@@ -689,6 +725,7 @@ def test_raw_dot_segments_are_not_normalized_into_a_route():
     assert engine.requests == []
 
 
+@pytest.mark.fast
 def test_upgrade_requests_are_plain_http_and_keep_the_connection_count(caplog):
     limits = EdgeLimits(max_connections_per_client=2)
     uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to the root
@@ -699,7 +736,7 @@ def test_upgrade_requests_are_plain_http_and_keep_the_connection_count(caplog):
                 sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
                              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
                 assert read_response(sock)[0] == 200
-        time.sleep(0.1)
-        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # no slot was lost
+        wait_until(lambda: open_connections(url) == 0, 5, "every upgrade connection to leave the count")  # none lost
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         uvicorn_log.removeHandler(caplog.handler)
     assert caplog.text.count("unsupported upgrade request") == 1  # once per address and minute

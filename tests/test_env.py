@@ -7,6 +7,8 @@ import pytest
 
 from kvfence import env
 
+pytestmark = pytest.mark.fast
+
 PACKAGE = Path(env.__file__).parent
 READS = re.compile(r"os\.environ(?:\.get)?\s*[\[(]|os\.getenv\(|in os\.environ")
 # the data planes set and restore their libraries' own variables (MC_*, NIXL_*): writes, not kvfence settings

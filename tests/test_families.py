@@ -97,6 +97,7 @@ def hf_stepwise_logits(model, ids: list[int], first: int) -> torch.Tensor:
 # -- loading and the backend --------------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_loads_with_its_features(family):
     cfg = load(family).config
@@ -136,6 +137,7 @@ def test_each_family_loads_with_its_features(family):
             assert load(family, torch.bfloat16).model.weights.layers[1].experts.router.dtype == torch.float32
 
 
+@pytest.mark.model
 def test_the_c_backend_runs_only_the_configs_it_computes_exactly():
     """Llama's forward with other rope tables or fused weights is the C backend's (Phi-3 without a window, Mistral
     with one covering the context); every other feature goes to torch, and the reason is said."""
@@ -154,6 +156,7 @@ def test_the_c_backend_runs_only_the_configs_it_computes_exactly():
                                          bf16, cpu)[1]
 
 
+@pytest.mark.model
 def test_the_window_changes_what_the_model_computes():
     """The tiny models' window really acts: without it, a prompt longer than the window gets other logits."""
     loaded = load("mistral")
@@ -167,6 +170,7 @@ def test_the_window_changes_what_the_model_computes():
     assert (windowed[WINDOW:] - plain[WINDOW:]).abs().max() > 0.1
 
 
+@pytest.mark.fast
 def test_unknown_architectures_are_refused_naming_the_supported_ones():
     with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported .*Gemma2ForCausalLM.*Gemma3ForCausalLM"
                        ".*MistralForCausalLM.*Phi3ForCausalLM"):
@@ -183,6 +187,7 @@ def test_unknown_architectures_are_refused_naming_the_supported_ones():
         hf_arch({"architectures": ["MistralForCausalLM"], "hidden_act": "gelu"})
 
 
+@pytest.mark.fast
 def test_moe_options_kvfence_does_not_compute_are_refused_in_one_line():
     qwen, glm = {"architectures": ["Qwen3MoeForCausalLM"]}, {"architectures": ["Glm4MoeForCausalLM"]}
     assert (hf_arch(qwen), hf_arch({**glm, "partial_rotary_factor": 0.5})) == ("qwen3_moe", "glm4_moe")
@@ -201,6 +206,7 @@ def test_moe_options_kvfence_does_not_compute_are_refused_in_one_line():
         assert "\n" not in str(err.value)
 
 
+@pytest.mark.model
 def test_moe_experts_load_from_stacked_names_too(tmp_path):
     """transformers' in-memory layout (``mlp.experts.gate_up_proj`` ``[E, 2 F, hidden]``, ``mlp.experts.down_proj``
     ``[E, hidden, F]``) loads to the same logits as the per-expert names hub checkpoints use."""
@@ -232,6 +238,7 @@ def test_moe_experts_load_from_stacked_names_too(tmp_path):
 # -- against transformers -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(family):
     """A prompt of many windows: in one forward, and in chunks then single-token decode steps. Phi-3's reference
@@ -247,6 +254,7 @@ def test_logits_match_transformers(family):
     assert_close(chunked, ref, CHUNK_REL_TOL)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_match_transformers_generate(family):
     """Eight prompts, most longer than the window. Phi-3's ``generate`` recomputes every position with the long
@@ -268,6 +276,7 @@ def test_greedy_tokens_match_transformers_generate(family):
 # -- the engine and batch invariance ------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_engine_chunked_and_paged_gives_the_tokens_of_one_forward(family):
     """All eight prompts at once through the engine (pages of 16, prefill chunks of 16 tokens, decode batched with
@@ -281,6 +290,7 @@ def test_the_engine_chunked_and_paged_gives_the_tokens_of_one_forward(family):
     assert [r.outputs[0].token_ids for r in got] == [greedy(model, p, NEW_TOKENS, chunk=len(p)) for p in ids]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_invariance(family, dtype):
@@ -295,6 +305,7 @@ def test_batch_invariance(family, dtype):
         check_invariance(alone, long_prefill=400, decoders=15)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", MOE)
 def test_a_moe_row_routes_and_sums_alone(family, dtype):
@@ -325,6 +336,7 @@ def completion_ids(server: Server, model: str, prompt: list[int]) -> str:
     return reply.choices[0].text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_served_colocated_and_disaggregated_give_the_models_tokens(family):
     """Over HTTP with the openai client: colocated gives the text of the in-process greedy tokens (bf16, the

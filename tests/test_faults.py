@@ -6,6 +6,8 @@ import pytest
 
 from kvfence.faults import Faults, FaultyLink, flip_one_byte
 
+pytestmark = pytest.mark.fast
+
 
 def test_env_value_parses_and_bad_ones_name_the_problem():
     assert Faults.from_env("") is None

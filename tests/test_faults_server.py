@@ -16,14 +16,11 @@ import openai
 import pytest
 
 from tests.server import Server
-from tests.tiny_models import tiny_model_dir
+
+pytestmark = pytest.mark.slow
+
 
 COMMON = ("--max-context", "4096", "--kv-pool-tokens", "16384")
-
-
-@pytest.fixture(scope="module")
-def model() -> str:
-    return str(tiny_model_dir("llama"))
 
 
 def serve(model: str, prefill: int, decode: int, *args: str, slow_step: float = 0.01) -> Server:

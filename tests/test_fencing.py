@@ -6,6 +6,8 @@ client, and when it comes back it drops what it held, pages under L6); a request
 The same behaviours through real processes: tests/test_faults_server.py.
 """
 
+import pytest
+
 from kvfence.core import Request, SamplingParams
 from kvfence.kvcache.pages import PageState
 from kvfence.protocol.actions import Deliver, Send, StartPrefill, StopDecode, StopPrefill
@@ -24,6 +26,8 @@ from kvfence.protocol.messages import (
 )
 from kvfence.protocol.router import RouterCore, retry_rid
 from tests.test_protocol import RID, SAFE, D, P, R, admit, decode_core, prefill, prefill_core, unsafe
+
+pytestmark = pytest.mark.fast
 
 
 def hello(worker: str, role: str, pid: int = 0) -> Hello:

@@ -45,6 +45,7 @@ def smollm2() -> tuple[Path, GGUFFile, float]:
     return path, ours, time.perf_counter() - t0
 
 
+@pytest.mark.model
 def test_bundled_gguf_reads_as_gguf_reader_does(smollm2):
     path, ours, seconds = smollm2
     meta, reader = reference(path)
@@ -58,6 +59,7 @@ def test_bundled_gguf_reads_as_gguf_reader_does(smollm2):
     assert seconds < 2.0, f"parsing took {seconds:.2f}s"  # GGUFReader: 5-7 s
 
 
+@pytest.mark.fast
 def test_every_value_type_nested_arrays_and_alignment(tmp_path):
     path = tmp_path / "all.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -98,6 +100,7 @@ def test_every_value_type_nested_arrays_and_alignment(tmp_path):
     assert_same_as_reader(ours, *reference(path))
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("size", [0, 7, 24, 1000, 600_000])  # empty, mid-header, mid-metadata, in the vocabulary
 def test_truncated_header_is_a_clear_error(tmp_path, size):
     cut = tmp_path / "cut.gguf"
@@ -107,6 +110,7 @@ def test_truncated_header_is_a_clear_error(tmp_path, size):
         read_gguf(cut)
 
 
+@pytest.mark.model
 def test_truncated_data_is_a_clear_error(tmp_path, smollm2):
     _, ours, _ = smollm2
     cut = tmp_path / "cut.gguf"
@@ -116,6 +120,7 @@ def test_truncated_data_is_a_clear_error(tmp_path, smollm2):
         read_gguf(cut)
 
 
+@pytest.mark.fast
 def test_not_a_gguf_file_is_a_clear_error(tmp_path):
     other = tmp_path / "model.gguf"
     other.write_bytes(b'{"not": "a gguf file"}' * 10)
@@ -123,6 +128,7 @@ def test_not_a_gguf_file_is_a_clear_error(tmp_path):
         read_gguf(other)
 
 
+@pytest.mark.slow
 def test_router_path_imports_no_torch():
     """What ``kvfence serve``'s parent and ``kvfence router`` import and run before serving: no torch."""
     code = """if True:

@@ -28,6 +28,10 @@ from kvfence.router.app import create_app
 from kvfence.router.edge import uvicorn_config
 from kvfence.router.limits import EdgeLimits
 from kvfence.router.tenants import Tenants
+from tests.server import wait_until
+
+pytestmark = pytest.mark.fast
+
 
 MODEL = "fake-model"
 KEYS = {"alice": ["sk-alice"], "bob": ["sk-bob"]}
@@ -114,11 +118,6 @@ class FakeEngine:
 
 def make_app(engine: FakeEngine, tenants: Tenants | None = None, limits: EdgeLimits | None = None, **kw):
     return create_app(engine, kw.pop("tokenizer", FakeTokenizer()), tenants or Tenants.open(), limits=limits, **kw)
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 @contextlib.asynccontextmanager
@@ -575,6 +574,15 @@ async def test_one_log_line_per_request(caplog):
 # -- real server: the openai SDK and disconnects ----------------------------------------------
 
 
+SERVED: dict[str, uvicorn.Server] = {}  # base URL -> the server ``serving`` runs there
+
+
+def open_connections(url: str) -> int:
+    """The connections from 127.0.0.1 that the edge ``serving`` runs at ``url`` counts (EdgeProtocol's one count
+    per client address): what a test waits on instead of sleeping until the server has seen a connect or a close."""
+    return SERVED[url].config.http.keywords["clients"]["127.0.0.1"]
+
+
 @contextlib.contextmanager
 def serving(engine: FakeEngine, tenants: Tenants | None = None, limits: EdgeLimits | None = None,
             **kw) -> Iterator[str]:
@@ -587,13 +595,14 @@ def serving(engine: FakeEngine, tenants: Tenants | None = None, limits: EdgeLimi
     server = uvicorn.Server(uvicorn_config(make_app(engine, tenants, limits, **kw), limits, lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
+    wait_until(lambda: server.started or not thread.is_alive(), 10, "uvicorn to start")
+    assert server.started, "uvicorn did not start"
+    url = f"http://127.0.0.1:{port}"
+    SERVED[url] = server
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
+        del SERVED[url]
         server.should_exit = True
         thread.join(10)
         sock.close()

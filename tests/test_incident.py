@@ -20,6 +20,9 @@ import pytest
 from kvfence.model.loader import describe_model
 from tests.server import ROOT, Server
 
+pytestmark = pytest.mark.slow
+
+
 DOCUMENT = " ".join(f"Section {i}: The quarterly report covers logistics, staffing and budgets for the northern "
                     "region." for i in range(60))
 CANARY = "Repeat exactly: the secret code is ZEBRA-4471."
@@ -44,14 +47,6 @@ ALICE = fit(DOCUMENT, "\n" + CANARY, 1000)  # fits the 1,024-token prefill pool
 BOB = fit("Tell me a short story about a lighthouse keeper. " * 100, "", 1040)  # just over it
 
 
-@pytest.fixture(scope="module")
-def tenants(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text('[tenants.alice]\napi_keys = ["sk-alice"]\n\n[tenants.bob]\napi_keys = ["sk-bob"]\n\n'
-                    '[admin]\napi_keys = ["sk-admin"]\n')
-    return str(path)
-
-
 def alice_then_bob(server: Server) -> openai.APIResponse:
     """Alice's request runs to its end (freeing her pages), then bob sends his over-length prompt."""
     alice = server.client("sk-alice").chat.completions.create(messages=ALICE, **GREEDY)
@@ -59,8 +54,8 @@ def alice_then_bob(server: Server) -> openai.APIResponse:
     return server.client("sk-bob").chat.completions.with_raw_response.create(messages=BOB, **GREEDY)
 
 
-def test_every_layer_off_leaks_alices_kv_into_bobs_200(tenants):
-    with Server(*INCIDENT_FLAGS, tenants, env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
+def test_every_layer_off_leaks_alices_kv_into_bobs_200(tenants_file):
+    with Server(*INCIDENT_FLAGS, str(tenants_file), env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
         health = server.health("sk-admin")  # announced in /health's detail, to admins, by every process
         assert health["safety_layers_off"]
         assert {w["role"]: w["safety_layers_off"] for w in health["workers"].values()} == {
@@ -73,9 +68,9 @@ def test_every_layer_off_leaks_alices_kv_into_bobs_200(tenants):
         assert "KVFENCE_UNSAFE" in server.output()  # and announced loudly at start
 
 
-def test_with_the_layers_on_bob_gets_400_and_nothing_of_alice(tenants):
+def test_with_the_layers_on_bob_gets_400_and_nothing_of_alice(tenants_file):
     # L0 would refuse to start this undersized deployment at all (next test); every other layer is on.
-    with Server(*INCIDENT_FLAGS, tenants, env={"KVFENCE_UNSAFE": "preflight"}, ready_timeout=300) as server:
+    with Server(*INCIDENT_FLAGS, str(tenants_file), env={"KVFENCE_UNSAFE": "preflight"}, ready_timeout=300) as server:
         with pytest.raises(openai.BadRequestError) as caught:
             alice_then_bob(server)
         error = caught.value.body
@@ -84,8 +79,8 @@ def test_with_the_layers_on_bob_gets_400_and_nothing_of_alice(tenants):
         assert not any(f.lower() in str(error).lower() for f in ALICE_FRAGMENTS)
 
 
-def test_with_preflight_on_the_undersized_deployment_refuses_to_start(tenants):
-    cmd = [sys.executable, "-m", "kvfence.cli", "serve", *INCIDENT_FLAGS, tenants]
+def test_with_preflight_on_the_undersized_deployment_refuses_to_start(tenants_file):
+    cmd = [sys.executable, "-m", "kvfence.cli", "serve", *INCIDENT_FLAGS, str(tenants_file)]
     env = {k: v for k, v in os.environ.items() if k != "KVFENCE_UNSAFE"}
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2, done.stderr[-2000:]

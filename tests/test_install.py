@@ -10,6 +10,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 TEST_PACKAGES = ("openai", "pytest", "transformers", "accelerate", "matplotlib")
@@ -32,6 +34,7 @@ def _requirement_names(requirements: list[str]) -> set[str]:
     return {re.split(r"[ <>=!~\[;]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
 
 
+@pytest.mark.fast
 def test_every_third_party_import_is_a_declared_dependency():
     declared = _requirement_names(PYPROJECT["project"]["dependencies"])
     extras = PYPROJECT["project"]["optional-dependencies"]
@@ -48,6 +51,7 @@ def test_every_third_party_import_is_a_declared_dependency():
     assert not missing, f"imported at run time but not in pyproject's dependencies: {missing}"
 
 
+@pytest.mark.slow
 def test_serving_imports_no_test_package():
     """The serve path (CLI, router app, both workers, every data plane's module) imports with the test packages
     made unimportable, as on an install without the test extra."""
@@ -67,6 +71,7 @@ print("ok")
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_cli_help_imports_no_http_client():
     run = subprocess.run([sys.executable, "-c", "import sys, kvfence.cli; kvfence.cli.build_parser(); "
                           "print(sorted(m for m in ('httpx', 'openai', 'torch') if m in sys.modules))"],

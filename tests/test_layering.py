@@ -4,6 +4,10 @@ import-linter over the real import graph, and shown able to fail."""
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 LINT = ROOT / ".venv" / "bin" / "lint-imports"
 

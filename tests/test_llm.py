@@ -20,6 +20,7 @@ def llm() -> LLM:
     return LLM(str(tiny_model_dir("llama")), max_model_len=256)
 
 
+@pytest.mark.slow
 def test_generate_matches_the_server_token_for_token(llm):
     prompts = ["Once upon a time", "The quick brown fox", [5, 6, 7, 8]]
     outs = llm.generate(prompts, GREEDY)
@@ -33,6 +34,7 @@ def test_generate_matches_the_server_token_for_token(llm):
     assert served.choices[0].text == outs[0].outputs[0].text
 
 
+@pytest.mark.model
 def test_chat_and_limits(llm):
     [out] = llm.chat([{"role": "user", "content": "hi"}], GREEDY)
     assert len(out.outputs[0].token_ids) == 8
@@ -45,6 +47,7 @@ def test_chat_and_limits(llm):
         LLM(str(tiny_model_dir("llama")), max_model_len=256, kv_pool_tokens=64)  # L0: the pool cannot hold it
 
 
+@pytest.mark.slow
 def test_importing_kvfence_loads_no_torch():
     run = subprocess.run([sys.executable, "-c", "import sys, kvfence; print('torch' in sys.modules)"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -24,11 +24,6 @@ from tests.test_admin import ADMIN, ADMIN_KEY, ALICE, BOB, core_with, request, t
 from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body, template
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @contextlib.asynccontextmanager
 async def asgi(engine, audit: AuditLog | None = None):
     app = create_app(engine, FakeTokenizer(), tenants(), audit)
@@ -55,6 +50,7 @@ async def scrape(c: httpx.AsyncClient) -> str:
 # -- metrics ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_requests_tokens_and_latencies_are_counted_by_tenant_and_status():
     async with asgi(FakeEngine()) as c:
@@ -78,6 +74,7 @@ async def test_requests_tokens_and_latencies_are_counted_by_tenant_and_status():
     assert "sk-alice" not in text and "sk-bob" not in text and ADMIN_KEY not in text
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 @pytest.mark.parametrize("layer", ["tags", "coverage", "checksum"])
 async def test_kv_verification_failures_are_counted_by_layer(layer):
@@ -90,6 +87,7 @@ async def test_kv_verification_failures_are_counted_by_layer(layer):
     assert value(text, "kvfence_requests_total", tenant="alice", status="500") == 1
 
 
+@pytest.mark.fast
 def test_tokens_arriving_together_share_their_interval():
     metrics = Metrics(FakeEngine())
     metrics.later_tokens(0.3, 3)
@@ -98,6 +96,7 @@ def test_tokens_arriving_together_share_their_interval():
     assert value(text, "kvfence_time_per_output_token_seconds_sum") == pytest.approx(0.3)
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_pool_gauges_come_from_colocated_health():
     engine = FakeEngine()
@@ -111,6 +110,7 @@ async def test_pool_gauges_come_from_colocated_health():
     assert value(text, "kvfence_kv_transfers_in_flight") == 0
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_pool_gauges_and_transfers_come_from_each_workers_heartbeat():
     engine = FakeEngine()
@@ -127,6 +127,7 @@ async def test_pool_gauges_and_transfers_come_from_each_workers_heartbeat():
     assert value(text, "kvfence_kv_transfers_in_flight") == 3
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_prefix_cache_pages_and_evictions_come_from_colocated_health_and_prefill_heartbeats():
     engine = FakeEngine()
@@ -147,6 +148,7 @@ async def test_prefix_cache_pages_and_evictions_come_from_colocated_health_and_p
     assert value(text, "kvfence:prefix_cache_pages", worker="local", role="colocated") == 4
 
 
+@pytest.mark.fast
 def test_router_core_counts_requests_in_their_handoff():
     core = core_with(("p0", "prefill"), ("d0", "decode"))
     core.submit(request(1))
@@ -156,6 +158,7 @@ def test_router_core_counts_requests_in_their_handoff():
     assert core.in_handoff() == 1
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_each_app_has_its_own_registry():
     async with asgi(FakeEngine()) as one, asgi(FakeEngine()) as two:
@@ -164,6 +167,7 @@ async def test_each_app_has_its_own_registry():
         assert value(await scrape(two), "kvfence_requests_total", tenant="alice", status="200") is None
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_metrics_need_an_admin_or_metrics_key_with_tenants_and_none_without():
     app = create_app(FakeEngine(), FakeTokenizer(), Tenants(KEYS, admin_keys=["sk-admin-1"], metrics_keys=["sk-prom"]))
@@ -197,6 +201,7 @@ def read_log(path) -> list[AuditRecord]:
     return records
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_one_audit_record_per_request_whatever_its_end(tmp_path):
     path = tmp_path / "audit.jsonl"
@@ -229,6 +234,7 @@ async def test_one_audit_record_per_request_whatever_its_end(tmp_path):
     assert len({r.rid for r in (ok, too_long, private, drained)}) == 4
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_audit_record_carries_pages_verification_and_a_verification_failure(tmp_path):
     path = tmp_path / "audit.jsonl"
@@ -253,6 +259,7 @@ def http_scope(path: str) -> dict:
             "client": ("127.0.0.1", 1), "server": ("test", 80)}
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_client_that_leaves_is_recorded_as_499(tmp_path, stream):
@@ -282,6 +289,7 @@ async def test_a_client_that_leaves_is_recorded_as_499(tmp_path, stream):
     assert value(text, "kvfence_requests_total", tenant="alice", status="499") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_vllm_named_metrics_count_a_real_request(mode):
     """vLLM's metric names under ``kvfence:``: token counters, phase histograms, running/waiting gauges."""

@@ -116,6 +116,7 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 # -- loading --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_smollm2_config(f32):
     cfg, tok = f32.config, f32.tokenizer
     assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == ("llama", 30, 576, 1536)
@@ -124,6 +125,7 @@ def test_smollm2_config(f32):
     assert f32.model.weights.lm_head is f32.model.weights.embed and 2 in tok.eos_token_ids
 
 
+@pytest.mark.model
 def test_unpermute_inverts_llama_cpp_permute():
     cfg = ModelConfig(
         "llama",
@@ -148,6 +150,7 @@ def test_unpermute_inverts_llama_cpp_permute():
     assert torch.equal(_unpermute_rope("blk.0.attn_k.weight", permute(k, 2), cfg), k)
 
 
+@pytest.mark.model
 def test_missing_package_says_how_to_install(monkeypatch):
     import importlib.util
 
@@ -156,6 +159,7 @@ def test_missing_package_says_how_to_install(monkeypatch):
         load_model("smollm2-135m")
 
 
+@pytest.mark.model
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     (tmp_path / "model.safetensors").write_bytes(b"")
@@ -165,6 +169,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         load_model(str(tmp_path / "nothing.gguf"))
 
 
+@pytest.mark.model
 def test_bad_chunk_is_rejected(bf16):
     pool = KVPool(bf16.config, 2, 16, torch.bfloat16)
     with pytest.raises(ValueError):
@@ -174,6 +179,7 @@ def test_bad_chunk_is_rejected(bf16):
 # -- against transformers -------------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_logits_match_transformers(f32, hf):
     for messages in (PROMPTS[0], PROMPTS[6]):
         ids = f32.tokenizer.encode(f32.tokenizer.apply_chat_template(messages))
@@ -181,6 +187,7 @@ def test_logits_match_transformers(f32, hf):
         assert_close(prefill(f32.model, [ids], pool), hf_logits(hf, ids), REL_TOL)
 
 
+@pytest.mark.model
 def test_greedy_matches_transformers(f32, hf):
     eos = (
         frozenset([hf.generation_config.eos_token_id])
@@ -202,6 +209,7 @@ def test_greedy_matches_transformers(f32, hf):
     assert len(ids) > 1400  # the long prompt really is long, and was prefilled in 3 chunks
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_hf_models_match_transformers(arch):
     transformers = pytest.importorskip("transformers")
@@ -220,6 +228,7 @@ def test_tiny_hf_models_match_transformers(arch):
 # -- chunked prefill and decode -------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_chunked_prefill_and_decode_match_whole(f32):
     ids = f32.tokenizer.encode(varied_text(220, seed=5))[:260]
     whole = prefill(f32.model, [ids], KVPool(f32.config, 20, 16, torch.float32))
@@ -233,6 +242,7 @@ def test_chunked_prefill_and_decode_match_whole(f32):
     assert_close(last[0], whole[-1], CHUNK_REL_TOL)
 
 
+@pytest.mark.model
 def test_sequences_with_scattered_pages_do_not_mix(bf16):
     """Two sequences on interleaved, out-of-order pages in one call give what each gives alone."""
     tok, m = bf16.tokenizer, bf16.model
@@ -306,14 +316,17 @@ def check_invariance(loaded, long_prefill: int, decoders: int) -> None:
     assert torch.equal(last_rows, torch.stack([alone[n][-1] for n in bench.targets])), "default logits"
 
 
+@pytest.mark.model
 def test_batch_invariance_bf16(bf16):
     check_invariance(bf16, long_prefill=2048, decoders=31)  # up to 2048 + 91 + 8 rows in one call
 
 
+@pytest.mark.model
 def test_batch_invariance_fp32(f32):
     check_invariance(f32, long_prefill=400, decoders=15)
 
 
+@pytest.mark.model
 def test_a_decode_attention_backend_is_chosen_only_if_batched_calls_agree():
     """The GPU path's probe, run here on the CPU: whichever backend it picks must give every sequence of a group
     the bits it gets alone, on inputs it did not probe."""
@@ -326,6 +339,7 @@ def test_a_decode_attention_backend_is_chosen_only_if_batched_calls_agree():
         assert invariant._decode_calls_agree(64, 3, 3, 64, 513, torch.float32, "cpu", torch.Generator().manual_seed(9))
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matmul_rows_do_not_depend_on_the_call(dtype):
     """Every row of ``invariant.matmul`` equals that row computed alone, for M from 1 to 2100 (model shapes)."""
@@ -338,6 +352,7 @@ def test_matmul_rows_do_not_depend_on_the_call(dtype):
             assert torch.equal(got, alone.repeat(-(-m // invariant.PROBE_ROWS), 1)[:m]), (n, k, dtype, m)
 
 
+@pytest.mark.model
 def test_row_block_plans_cover_the_rows():
     blocks = invariant.RowBlocks(min_rows=4, small_max=32, big=(512, 768, 2048))
     for rows in list(range(1, 100)) + [511, 512, 513, 600, 767, 1000, 2047, 2048, 2049, 2100, 5000]:
@@ -382,10 +397,12 @@ def check_decode_groups(loaded, lengths: dict[int, int]) -> None:
         assert torch.equal(torch.cat([got[:h], got[h + 1 :]]), alone[idx]), where + " + prefill"
 
 
+@pytest.mark.model
 def test_decode_groups_bf16(bf16):
     check_decode_groups(bf16, {150: 16, 37: 8, 530: 4, 1: 2})  # 530 > 512, the CPU kernel's key block
 
 
+@pytest.mark.model
 def test_decode_groups_fp32(f32):
     check_decode_groups(f32, {60: 8, 37: 5, 1: 2})
 
@@ -395,6 +412,7 @@ needs_kernels = pytest.mark.skipif(CAPS.flavour is None, reason=f"no C kernels h
 needs_int8 = pytest.mark.skipif(not CAPS.int8_rows, reason=f"no int8 kernel here ({CAPS.summary()})")
 
 
+@pytest.mark.model
 @needs_kernels
 @pytest.mark.parametrize("amx", [False, True])
 def test_decode_gemm_rows_do_not_depend_on_the_call(amx):
@@ -414,6 +432,7 @@ def test_decode_gemm_rows_do_not_depend_on_the_call(amx):
         assert (err <= 2**-8 * ref.abs() + 1e-4 * ref.abs().max()).all(), (n, k)  # bf16 rounding of the result
 
 
+@pytest.mark.model
 @needs_kernels
 def test_decode_attention_kernel_matches_sdpa_and_ignores_its_neighbours():
     """The pool-reading decode attention equals float32 SDPA over the same bf16 K/V up to its bf16 output rounding,
@@ -439,6 +458,7 @@ def test_decode_attention_kernel_matches_sdpa_and_ignores_its_neighbours():
         assert (err <= 2**-8 * ref.abs() + 1e-5).all(), (s, err.max())
 
 
+@pytest.mark.model
 @needs_kernels
 def test_prefill_attention_kernel_is_causal_attention_and_the_same_on_any_thread_count():
     """Chunks of n queries at the end of S positions (fresh prompts, chunks after context, partial 16- and
@@ -468,6 +488,7 @@ def test_prefill_attention_kernel_is_causal_attention_and_the_same_on_any_thread
         assert (err <= 2**-6 * ref.reshape(n, -1).abs() + 2**-6).all(), (S, n, err.max())
 
 
+@pytest.mark.model
 @needs_kernels
 def test_decode_kernels_give_the_same_bits_on_any_thread_count():
     """A lone decode worker runs the C kernels on every core while no prefill runs, on fewer otherwise."""
@@ -492,6 +513,7 @@ def test_decode_kernels_give_the_same_bits_on_any_thread_count():
         assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
 
 
+@pytest.mark.model
 @needs_kernels
 def test_block_weights_expand_to_exactly_the_dequantized_bf16():
     """The GGUF's own Q4_1 and Q8_0 tensors: ``dequantize`` equals gguf's, and the kernel's on-the-fly expansion
@@ -516,6 +538,7 @@ def test_block_weights_expand_to_exactly_the_dequantized_bf16():
         assert torch.equal(kernels.expand_rows(w, rows), dense[rows]), name
 
 
+@pytest.mark.model
 @needs_kernels
 def test_bf16_model_keeps_its_blocks_and_computes_what_the_dequantized_model_does(bf16, monkeypatch):
     """A third of the weight bytes, the same logits bit for bit (a prefill and batched decode steps); with int8
@@ -559,6 +582,7 @@ def test_bf16_model_keeps_its_blocks_and_computes_what_the_dequantized_model_doe
             assert 0 < rel.mean() <= 0.04 and rel.max() <= 0.15, (rel.mean(), rel.max())
 
 
+@pytest.mark.model
 @needs_kernels
 @pytest.mark.parametrize("head_dim", [64, 48])  # 48: the scalar path for heads that are not a multiple of 32
 def test_rope_write_is_bit_for_bit_the_torch_rotary_and_kv_write(head_dim):
@@ -576,6 +600,7 @@ def test_rope_write_is_bit_for_bit_the_torch_rotary_and_kv_write(head_dim):
     assert torch.equal(qkv, want) and torch.equal(pool, want_pool)
 
 
+@pytest.mark.model
 @needs_kernels
 def test_a_forward_gives_the_same_bits_on_any_thread_count(bf16):
     """A worker alone on the host computes on every core (C kernels and torch's prefill attention): a prefill chunk
@@ -597,6 +622,7 @@ def test_a_forward_gives_the_same_bits_on_any_thread_count(bf16):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.model
 @needs_kernels
 def test_silu_mul_rounds_like_the_torch_ops_and_treats_rows_alone():
     gen = torch.Generator().manual_seed(11)
@@ -609,6 +635,7 @@ def test_silu_mul_rounds_like_the_torch_ops_and_treats_rows_alone():
     assert torch.equal(torch.cat([kernels.silu_mul(gate_up[i : i + 1]) for i in range(70)]), got)
 
 
+@pytest.mark.slow
 def test_capabilities_follow_the_cpu_and_the_override():
     """``detect()`` reports the flavour ``KVFENCE_CPU`` asks for where this CPU has it (the forced runs below set
     it), and what that flavour brings."""
@@ -628,6 +655,7 @@ def test_capabilities_follow_the_cpu_and_the_override():
     assert bad.returncode != 0 and "KVFENCE_CPU='sse2'" in bad.stderr, bad.stderr[-500:]
 
 
+@pytest.mark.model
 @needs_kernels
 def test_the_ctypes_structs_match_decode_step_h():
     """What ``kernels`` checks at load, field by field by name: it would catch a field added, dropped, retyped or
@@ -647,6 +675,7 @@ def test_the_ctypes_structs_match_decode_step_h():
         assert kernels.layout_mismatch(lib, {"decode_layer": layer, "decode_step": st}) is not None, how
 
 
+@pytest.mark.slow
 def test_a_flavour_that_does_not_build_falls_back_to_the_next(tmp_path):
     """A compiler without the AMX flags (an older gcc): the AVX-512 source builds without them instead, and a CPU
     without AVX-512 goes on to the AVX2 one."""
@@ -669,6 +698,7 @@ KERNEL_TESTS = ("kernel or decode_gemm or rope_write or silu or block or thread_
 NO_KERNEL_TESTS = "capabilities or decode_groups_bf16 or batch_invariance_bf16 or bad_chunk or scattered_pages"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)  # a fresh process loads the model and reruns ~20 tests; minutes on 2 shared cores
 @pytest.mark.parametrize("forced", [*(f for f in ("amx", "avx512", "avx2") if f != CAPS.flavour), "no compiler"])
 def test_every_flavour_this_cpu_can_run_passes_the_kernel_and_model_tests(forced, tmp_path):
@@ -696,6 +726,7 @@ def random_block_bytes(fmt: str, n: int, k: int, gen: torch.Generator) -> np.nda
     return raw
 
 
+@pytest.mark.model
 @needs_kernels
 def test_block_weights_of_any_shape_expand_exactly():
     """Shapes the SmolLM2 GGUF lacks: an odd number of Q4_1 blocks per row (the last one unpaired) and a weight
@@ -714,6 +745,7 @@ def test_block_weights_of_any_shape_expand_exactly():
             assert torch.equal(kernels.gemm(x[:m], dense), kernels.gemm(x, dense)[:m]), (fmt, n, k, m)
 
 
+@pytest.mark.model
 @needs_kernels
 def test_block_weights_of_mixed_formats_fuse_as_dense_and_gathers_stay_in_bounds():
     """A GGUF may store q/k in Q4_1 and v in Q8_0: the fused projection is then dequantized, not refused; and the
@@ -770,6 +802,7 @@ def int8_decode_reference(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     return acc.bfloat16()
 
 
+@pytest.mark.model
 @needs_int8
 def test_int8_decode_kernel_computes_its_contract_for_any_rows():
     """The int8 kernel for decode rows against its contract in torch (``int8_decode_reference``), on the GGUF's own
@@ -798,6 +831,7 @@ def test_int8_decode_kernel_computes_its_contract_for_any_rows():
         assert (whole.float() - ref).abs().max() <= 0.02 * ref.abs().max(), w.shape
 
 
+@pytest.mark.model
 @needs_int8
 def test_a_decode_step_in_one_c_call_gives_the_bits_of_the_python_layer_loop(bf16, monkeypatch):
     """``kvf_decode_layers`` (all layers of a decode-only step in one call) against the per-kernel calls from

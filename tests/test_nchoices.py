@@ -48,6 +48,7 @@ def texts(reply: Completion | ChatCompletion) -> list[str]:
     return [c.text if isinstance(reply, Completion) else c.message.content for c in reply.choices]
 
 
+@pytest.mark.slow
 def test_choice_i_is_what_one_choice_with_seed_plus_i_gives(server):
     reply = complete(server, n=3, seed=11, extra_body={"ignore_eos": True})
     alone = [complete(server, seed=11 + i, extra_body={"ignore_eos": True}) for i in range(3)]
@@ -58,6 +59,7 @@ def test_choice_i_is_what_one_choice_with_seed_plus_i_gives(server):
     assert {c.finish_reason for c in reply.choices} == {"length"}
 
 
+@pytest.mark.slow
 def test_greedy_choices_agree_colocated_and_disaggregated(tiny_colocated, tiny_disaggregated):
     """(Seeded sampling does not agree across the modes, with one choice as with several: decode seeds its own
     generator afresh after prefill drew the first token with one.)"""
@@ -65,6 +67,7 @@ def test_greedy_choices_agree_colocated_and_disaggregated(tiny_colocated, tiny_d
     assert texts(complete(tiny_colocated, **kw)) == texts(complete(tiny_disaggregated, **kw))
 
 
+@pytest.mark.slow
 def test_greedy_choices_are_identical_and_the_single_greedy_answer(server):
     one = server.client().chat.completions.create(model="llama", messages=ASK, max_tokens=16, temperature=0)
     two = server.client().chat.completions.create(model="llama", messages=ASK, max_tokens=16, temperature=0, n=2)
@@ -85,19 +88,21 @@ def settled(server: Server, name: str) -> int:
     """``name`` once two readings a heartbeat and more apart agree (disaggregated: heartbeats carry it)."""
     last, deadline = metric(server, name), time.monotonic() + 15
     while time.monotonic() < deadline:
-        time.sleep(1.2)
+        time.sleep(1.2)  # what is checked is stability: two readings more than a heartbeat (1 s) apart agree
         if (now := metric(server, name)) == last:
             return now
         last = now
     raise AssertionError(f"{name} did not settle")
 
 
+@pytest.mark.slow
 def test_the_prompt_is_computed_once_for_all_choices(server):
     before = settled(server, "kvfence_prompt_tokens_computed_total")
     reply = complete(server, n=5, seed=1)
     assert settled(server, "kvfence_prompt_tokens_computed_total") == before + reply.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_streamed_choices_name_their_index_and_add_up_to_the_whole_answer(server):
     kw = {"model": "llama", "messages": ASK, "max_tokens": 16, "temperature": 0, "n": 3}
     whole = server.client().chat.completions.create(**kw)
@@ -115,6 +120,7 @@ def test_streamed_choices_name_their_index_and_add_up_to_the_whole_answer(server
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
 
 
+@pytest.mark.slow
 def test_streamed_legacy_completions_name_their_index(server):
     whole = complete(server, n=2, seed=5)
     text = ["", ""]
@@ -125,6 +131,7 @@ def test_streamed_legacy_completions_name_their_index(server):
     assert text == texts(whole)
 
 
+@pytest.mark.slow
 def test_every_choice_matches_the_schema(server):
     reply = server.client().chat.completions.create(model="llama", messages=ASK, max_tokens=120, n=3, seed=4,
                                                     response_format=AS_PERSON)
@@ -133,6 +140,7 @@ def test_every_choice_matches_the_schema(server):
         assert_person(json.loads(choice.message.content))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [0, 17, -1])
 def test_n_outside_1_to_16_is_a_400_naming_n(server, n):
     with pytest.raises(openai.BadRequestError) as err:
@@ -141,6 +149,7 @@ def test_n_outside_1_to_16_is_a_400_naming_n(server, n):
     assert "'n' must be between 1 and 16" in err.value.body["message"]
 
 
+@pytest.mark.slow
 def test_each_choice_is_checked_against_the_context_alone(tiny_colocated):
     prompt_tokens = complete(tiny_colocated).usage.prompt_tokens
     fits = 1024 - prompt_tokens  # --max-context 1024
@@ -160,6 +169,7 @@ def assert_every_page_comes_back(server: Server) -> None:
     assert metric(server, "kvfence_kv_pages_in_use") == metric(server, "kvfence_kv_pages_quarantined") == 0
 
 
+@pytest.mark.slow
 def test_every_page_is_free_after_choices_end_or_their_client_leaves(server):
     long = {"model": "llama", "prompt": PROMPT, "max_tokens": 900, "n": 4, "extra_body": {"ignore_eos": True}}
     complete(server, n=4)
@@ -182,6 +192,7 @@ def llm() -> LLM:
     return LLM(str(tiny_model_dir("llama")), max_model_len=256, kv_pool_tokens=1024)
 
 
+@pytest.mark.model
 def test_llm_choices_are_the_seed_streams_and_free_their_pages(llm):
     [out] = llm.generate(PROMPT, SamplingParams(n=3, seed=9, max_tokens=10, ignore_eos=True))
     alone = [llm.generate(PROMPT, SamplingParams(seed=9 + i, max_tokens=10, ignore_eos=True))[0].outputs[0]
@@ -194,6 +205,7 @@ def test_llm_choices_are_the_seed_streams_and_free_their_pages(llm):
         SamplingParams(n=17).for_engine()
 
 
+@pytest.mark.model
 def test_a_choice_that_stops_early_ends_alone(llm):
     [out] = llm.generate(PROMPT, SamplingParams(n=4, seed=2, max_tokens=6, stop_token_ids=[]))
     [greedy] = llm.generate(PROMPT, SamplingParams(n=3, temperature=0, max_tokens=1))
@@ -212,6 +224,7 @@ def forked_engine() -> Engine:
     return engine
 
 
+@pytest.mark.model
 def test_l3_fails_a_choice_reading_a_shared_page_it_no_longer_holds():
     engine = forked_engine()
     branch = next(s for s in engine.seqs.values() if s.index == 1)
@@ -223,6 +236,7 @@ def test_l3_fails_a_choice_reading_a_shared_page_it_no_longer_holds():
     engine.check_integrity()
 
 
+@pytest.mark.model
 def test_abort_frees_every_choices_pages():
     engine = forked_engine()
     assert engine.abort(1).finish_reason is FinishReason.ABORT
@@ -230,6 +244,7 @@ def test_abort_frees_every_choices_pages():
     engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_every_choice_makes_its_required_call_streamed_or_not(server):
     from tests.test_tools import TOOLS
 

@@ -10,6 +10,9 @@ import pytest
 from kvfence.kvcache.layout import KVLayout, RegionView
 from kvfence.kvcache.pages import OutOfPages, PageError, PageGrant, PageState, PageTable, _tag_check
 
+pytestmark = pytest.mark.fast
+
+
 A = 0xA000_0000_0000_0000_0000_0000_0000_0001  # 128-bit owners: the high half matters
 B = 0xB000_0000_0000_0000_0000_0000_0000_0001
 

@@ -1,10 +1,14 @@
 """KV pool storage and the region layout: where bytes go, and tag records."""
 
+import pytest
 import torch
 
 from kvfence.config import ModelConfig
 from kvfence.kvcache.layout import KVLayout, RegionView, check_landing, tokens_per_page, transfer_checksum
 from kvfence.kvcache.pool import KVPool
+
+pytestmark = pytest.mark.fast
+
 
 CFG = ModelConfig("llama", 10, 8, 16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, rope_theta=1e4,
                   rms_norm_eps=1e-5, max_context=64, tie_word_embeddings=True)

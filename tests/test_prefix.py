@@ -8,6 +8,9 @@ import pytest
 from kvfence.kvcache.pages import PageError, PageGrant, PageState, PageTable
 from kvfence.kvcache.prefix import PrefixCache
 
+pytestmark = pytest.mark.fast
+
+
 PS = 4
 A, B = 0xA, 0xB  # request ids
 

@@ -15,6 +15,9 @@ from kvfence.model.loader import LoadedModel, load_model
 from kvfence.safety import Safety
 from tests.tiny_models import smollm2, tiny_model_dir
 
+pytestmark = pytest.mark.model
+
+
 PS = 16
 SYSTEM = [100 + (7 * i) % 3000 for i in range(70)]  # a shared prefix of 4 full pages and 6 tokens
 

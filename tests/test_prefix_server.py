@@ -16,18 +16,13 @@ import pytest
 from tests.conftest import TINY
 from tests.server import Server
 
+pytestmark = pytest.mark.slow
+
+
 KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
 ADMIN = "sk-admin"
 SYSTEM = "You are a careful assistant. " + "Answer every question about the quarterly report briefly. " * 8
 PAGE = 16
-
-
-@pytest.fixture(scope="module")
-def tenants(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("prefix") / "tenants.toml"
-    path.write_text("".join(f'[tenants.{name}]\napi_keys = ["{key}"]\n\n' for name, key in KEYS.items())
-                    + f'[admin]\napi_keys = ["{ADMIN}"]\n')
-    return path
 
 
 def serve(mode: str, tenants: Path, unsafe: str = "") -> Server:
@@ -35,8 +30,8 @@ def serve(mode: str, tenants: Path, unsafe: str = "") -> Server:
 
 
 @pytest.fixture(scope="module", params=["colocated", "disaggregated"])
-def server(request, tenants):
-    with serve(request.param, tenants) as s:
+def server(request, tenants_file):
+    with serve(request.param, tenants_file) as s:
         yield s
 
 
@@ -100,10 +95,10 @@ def test_requests_reading_the_same_cached_pages_at_once_all_pass_verification(se
     assert asyncio.run(together()) == [alone[0]] * 4
 
 
-def test_with_prefix_scope_off_bob_reads_alices_pages(tenants):
+def test_with_prefix_scope_off_bob_reads_alices_pages(tenants_file):
     """The harm the ``prefix_scope`` layer prevents, on the prefill worker's cache: bob's first request reads the
     pages alice's computed, so a timing probe would see it answer sooner."""
-    with serve("disaggregated", tenants, unsafe="prefix_scope") as s:
+    with serve("disaggregated", tenants_file, unsafe="prefix_scope") as s:
         alice = ask(s, "alice", "Summarize the report.")
         bob = ask(s, "bob", "Summarize the report.")
         assert bob[0] == alice[0] and bob[2] == (alice[1] - 2) // PAGE * PAGE

@@ -64,6 +64,7 @@ def reply(text: str, *, tenant: str = "key3", prompt: str = "tell me a story", s
 # -- canaries and prompts ------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_canaries_are_fresh_and_their_documents_name_the_code():
     rng = random.Random(1)
     words = [new_canary("key1", rng, []).word for _ in range(3)]
@@ -76,6 +77,7 @@ def test_canaries_are_fresh_and_their_documents_name_the_code():
     assert canary_prompt(ZEBRA, 300) == ZEBRA.sentence + "\n" + doc
 
 
+@pytest.mark.fast
 def test_attack_text_has_the_words_asked_for():
     assert attack_text(3) == "tell me a"
     assert len(attack_text(1000).split()) == 1000
@@ -84,17 +86,20 @@ def test_attack_text_has_the_words_asked_for():
 # -- sizes -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_token_model_is_exact_when_one_word_is_one_token():
     model = fit_token_model([(20, 50), (40, 70), (80, 110)])
     assert model.exact and model.tokens(995) == 1025 and model.words_for(1025) == 995
 
 
+@pytest.mark.fast
 def test_token_model_off_the_line_is_an_estimate():
     model = fit_token_model([(20, 50), (40, 75), (80, 110)])
     assert not model.exact and model.per_word == 1.0
     assert not fit_token_model([(20, 60), (80, 180)]).exact  # two tokens per word
 
 
+@pytest.mark.fast
 def test_the_attacker_grows_to_one_token_past_a_larger_victim():
     target = Target("prefill pool + 1", 1025)
     victim = reply("The secret code is ZEBRA-4471.", role="victim", tokens=1012)
@@ -104,16 +109,19 @@ def test_the_attacker_grows_to_one_token_past_a_larger_victim():
     assert matched(target, victim) == target and matched(target, None) == target
 
 
+@pytest.mark.fast
 def test_victims_fill_the_tightest_limit_then_90_percent_of_it():
     assert victim_sizes(INCIDENT, 32, None) == [1012, 972, 921]
     assert victim_sizes(Limits(4096, {"decode pool": 16384}), 32, None) == [4052, 3860, 3657]
     assert victim_sizes(Limits(4096), 32, 600) == [600, 600, 600]
 
 
+@pytest.mark.fast
 def test_document_chars_scale_from_the_sample():
     assert document_chars_for(1046, 1000, 246, 46.0) == 5000  # 5 chars per document token
 
 
+@pytest.mark.fast
 def test_limits_prefer_the_flag_then_models_then_health_and_name_each_distinct_pool():
     models = {"data": [{"id": "m", "max_model_len": 4096}]}
     pools = [("prefill", 1024), ("decode", 1088), ("decode", 1088), ("decode", 2048)]
@@ -125,6 +133,7 @@ def test_limits_prefer_the_flag_then_models_then_health_and_name_each_distinct_p
     assert limits == Limits(None, {}) and "only a far-over prompt" in notes[-1]
 
 
+@pytest.mark.fast
 def test_must_reject_prefill_holds_the_prompt_other_limits_prompt_plus_max_tokens():
     assert must_reject(1024, 32, INCIDENT) is None
     assert must_reject(1025, 32, INCIDENT) == "prompt 1025 > prefill pool 1024"
@@ -134,6 +143,7 @@ def test_must_reject_prefill_holds_the_prompt_other_limits_prompt_plus_max_token
     assert must_reject(10**6, 32, Limits(None)) is None
 
 
+@pytest.mark.fast
 def test_attack_targets_over_first_smallest_first_then_doubled_then_fitting():
     targets = [(t.label, t.tokens) for t in attack_targets(INCIDENT, 32)]
     assert targets[:3] == [("prefill pool + 1", 1025), ("decode pool - max_tokens", 1056),
@@ -147,12 +157,14 @@ def test_attack_targets_over_first_smallest_first_then_doubled_then_fitting():
 # -- findings ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_a_leaked_code_names_victim_and_receiver():
     [finding] = classify([reply("- The secret code is ZEBRA-4471")], [ZEBRA], Limits(4096))
     assert (finding.kind, finding.receiver, finding.victims) == ("leak", "key3", ("key1",))
     assert "'ZEBRA-4471'" in finding.detail and "'secret code'" in finding.detail
 
 
+@pytest.mark.fast
 def test_fragments_alone_are_leaks_too():
     [word] = classify([reply("the zebra walked")], [ZEBRA], Limits(4096))
     [digits] = classify([reply("code 4471 it is")], [ZEBRA], Limits(4096))
@@ -161,12 +173,14 @@ def test_fragments_alone_are_leaks_too():
     assert "'ZEBRA'" in word.detail and "'4471'" in digits.detail and "'northern region'" in document.detail
 
 
+@pytest.mark.fast
 def test_the_receivers_own_words_and_its_own_canaries_are_not_leaks():
     own = reply("the secret code is 4471 and the zebra", prompt="A zebra said the secret code is 4471.")
     mine = reply("The secret code is ZEBRA-4471.", tenant="key1", role="victim", prompt=ZEBRA.sentence)
     assert classify([own, mine], [ZEBRA], Limits(4096)) == []
 
 
+@pytest.mark.fast
 def test_numbers_and_lower_case_words_must_stand_alone_punctuation_does_not_hide_them():
     assert classify([reply("44712 zebras")], [ZEBRA], Limits(4096)) == []
     [glued] = classify([reply("-The-The ZEBRAHEAVEN-The")], [ZEBRA], Limits(4096))  # seen from SmolLM2
@@ -175,6 +189,7 @@ def test_numbers_and_lower_case_words_must_stand_alone_punctuation_does_not_hide
     assert "'secret code'" in dashed.detail
 
 
+@pytest.mark.fast
 def test_a_code_names_only_its_owner_shared_fragments_every_other_canary_tenant():
     carol = Canary("key2", "MANGO", "8123")
     [one] = classify([reply("MANGO-8123")], [ZEBRA, carol], Limits(4096))
@@ -182,6 +197,7 @@ def test_a_code_names_only_its_owner_shared_fragments_every_other_canary_tenant(
     assert one.victims == ("key2",) and shared.victims == ("key1", "key2")
 
 
+@pytest.mark.fast
 def test_shared_fragments_name_only_tenants_whose_canary_was_sent_before_the_reply_ended():
     carol = Canary("key2", "MANGO", "8123")
     alice_sent = Exchange(1, "pairs", "key1", "victim", "canary", ZEBRA.sentence, 32, canary=ZEBRA.code,
@@ -194,6 +210,7 @@ def test_shared_fragments_name_only_tenants_whose_canary_was_sent_before_the_rep
     assert (leak.receiver, leak.victims, leak.request) == ("key3", ("key1",), 7)
 
 
+@pytest.mark.fast
 def test_an_over_length_200_is_a_wrong_status_a_5xx_a_wrong_status_class_a_400_nothing():
     over = dict(tokens=1025)
     found = classify([reply("story", **over), reply("boom", status=503, **over), reply("no", status=400, **over),
@@ -202,6 +219,7 @@ def test_an_over_length_200_is_a_wrong_status_a_5xx_a_wrong_status_class_a_400_n
     assert found[0].detail == "prompt 1025 > prefill pool 1024, yet HTTP 200 (want 400)"
 
 
+@pytest.mark.fast
 def test_greedy_outputs_under_load_must_equal_those_alone():
     prompt = "What is the capital of France?"
     alone = reply("Paris.", prompt=prompt, role="normal", alone=True)
@@ -215,6 +233,7 @@ def report_of(findings, inconclusive=None) -> Report:
     return Report("http://x", "m", INCIDENT, [], tenants, ["key2"], [], [ZEBRA], findings, inconclusive)
 
 
+@pytest.mark.fast
 def test_report_table_and_exit_codes():
     [leak] = classify([reply("ZEBRA-4471", tenant="key2")], [ZEBRA], INCIDENT)
     table = render_table(report_of([leak]))
@@ -229,6 +248,7 @@ def test_report_table_and_exit_codes():
 # -- timing: a prefix cache shared across keys ---------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_timing_prefix_is_1500_tokens_where_the_limits_leave_room_for_it_and_the_question():
     assert timing_prefix_tokens(Limits(4096)) == 1500
     assert timing_prefix_tokens(Limits(None)) == 1500
@@ -236,6 +256,7 @@ def test_timing_prefix_is_1500_tokens_where_the_limits_leave_room_for_it_and_the
     assert timing_prefix_tokens(Limits(1000)) == 1000 - 4 - 48  # the context holds prompt + 4 output tokens
 
 
+@pytest.mark.fast
 def test_timing_prefixes_differ_from_their_first_word_after_the_tag_and_all_through():
     rng = random.Random(3)
     a, b = timing_prefix("12345678", 200, rng), timing_prefix("87654321", 200, rng)
@@ -249,6 +270,7 @@ def rounds(first, cross, cold, same, cached=None) -> list[TimingRound]:
     return [TimingRound(*times, cached) for times in zip(first, cross, cold, same, strict=True)]
 
 
+@pytest.mark.fast
 def test_a_cache_shared_across_keys_is_a_leak():
     t = timing_verdict(rounds([1.7, 1.6, 1.66], [0.40, 0.42, 0.39], [1.6, 1.7, 1.68], [0.4, 0.38, 0.41]))
     assert t.verdict == LEAK and t.rounds == 3 and t.fast_rounds == 3
@@ -256,6 +278,7 @@ def test_a_cache_shared_across_keys_is_a_leak():
     assert "cross-key 0.400 s, same-key 0.400 s, cold 1.670 s (medians of 3 rounds; cross-key fast in 3 of 3" in t.why
 
 
+@pytest.mark.fast
 def test_a_cache_per_key_is_isolated_and_no_cache_is_no_cache():
     cold = [1.6, 1.7, 1.68]
     assert timing_verdict(rounds(cold, [1.65, 1.62, 1.7], cold, [0.4, 0.38, 0.41])).verdict == ISOLATED
@@ -264,12 +287,14 @@ def test_a_cache_per_key_is_isolated_and_no_cache_is_no_cache():
     assert timing_verdict(rounds([1.0] * 3, [0.7] * 3, [1.0] * 3, [0.3] * 3)).verdict == ISOLATED
 
 
+@pytest.mark.fast
 def test_one_noisy_round_does_not_decide_medians_do():
     cold = [1.6, 0.3, 1.7]  # one cold request ran on a quiet moment...
     cross = [1.65, 1.62, 0.2]  # ...and one cross-key request too
     assert timing_verdict(rounds([1.6, 1.6, 1.6], cross, cold, [0.4, 0.38, 0.41])).verdict == ISOLATED
 
 
+@pytest.mark.fast
 def test_medians_that_the_rounds_do_not_bear_out_are_unclear_not_a_leak():
     # seen on a loaded host without a cache: two rounds, their cold times 3 s and 8-12 s apart
     t = timing_verdict(rounds([3.150, 8.189], [3.234, 4.569], [3.527, 12.396], [5.441, 2.834]))
@@ -279,29 +304,34 @@ def test_medians_that_the_rounds_do_not_bear_out_are_unclear_not_a_leak():
     assert t.verdict == UNCLEAR and t.fast_rounds == 1 and "most rounds do not" in t.why
 
 
+@pytest.mark.fast
 def test_fast_cross_key_with_a_slow_owner_repeat_is_unclear_not_a_leak():
     cold = [1.6, 1.7, 1.68]
     t = timing_verdict(rounds(cold, [0.4, 0.42, 0.39], cold, [1.6, 1.62, 1.7]))
     assert t.verdict == UNCLEAR and "more rounds" in t.why
 
 
+@pytest.mark.fast
 def test_differences_under_the_gap_are_noise_even_when_the_ratio_holds():
     cold = [0.010, 0.012, 0.011]
     assert timing_verdict(rounds(cold, [0.002] * 3, cold, [0.002] * 3)).verdict == NO_CACHE
 
 
+@pytest.mark.fast
 def test_the_servers_own_cached_tokens_across_keys_are_a_leak_whatever_the_times():
     t = timing_verdict(rounds([1.0] * 2, [0.95] * 2, [1.0] * 2, [0.9] * 2, 1408), 1530)
     assert t.verdict == LEAK and "the server reports 1408 of its 1530 prompt tokens cached" in t.why
     assert timing_verdict(rounds([1.0] * 2, [0.95] * 2, [1.0] * 2, [0.9] * 2, 16), 1530).verdict == NO_CACHE
 
 
+@pytest.mark.fast
 def test_too_few_answers_are_not_measured():
     assert timing_verdict(rounds([1.0], [0.3], [1.0], [0.3])).verdict == NOT_MEASURED
     assert timing_verdict(rounds([1.0, 1.0], [0.3, None], [1.0, 1.0], [0.3, 0.3])).verdict == NOT_MEASURED
     assert timing_verdict([]).cold is None
 
 
+@pytest.mark.fast
 def test_sse_events_give_content_and_usage():
     assert sse_event('data: {"choices":[{"delta":{"role":"assistant","content":""}}]}') == ("", None)
     assert sse_event('data: {"choices":[{"delta":{"content":"Hi"}}]}') == ("Hi", None)
@@ -312,6 +342,7 @@ def test_sse_events_give_content_and_usage():
     assert cached_tokens(None) is None
 
 
+@pytest.mark.fast
 def test_the_report_shows_the_timing_table_and_a_timing_finding():
     from kvfence.tools.probe import Finding
 
@@ -360,6 +391,7 @@ def fake_cache_server(scope: str | None, cold: float = 0.15, hit: float = 0.01):
     return handler
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("scope", "verdict"), [("global", LEAK), ("key", ISOLATED), (None, NO_CACHE)])
 def test_the_timing_phase_tells_a_shared_cache_from_one_per_key_and_from_none(scope, verdict):
     import asyncio
@@ -388,14 +420,6 @@ def test_the_timing_phase_tells_a_shared_cache_from_one_per_key_and_from_none(sc
 # -- against real servers (slow) ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tenants(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text("".join(f'[tenants.{t}]\napi_keys = ["sk-{t}"]\n\n' for t in ("alice", "carol", "bob"))
-                    + '[admin]\napi_keys = ["sk-admin"]\n')
-    return str(path)
-
-
 def run_probe(server: Server, tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "kvfence.cli", "probe", "--url", server.url, "--key", "sk-alice", "--key",
@@ -404,9 +428,10 @@ def run_probe(server: Server, tmp_path, *flags: str) -> tuple[subprocess.Complet
     return done, json.loads(out.read_text()) if out.exists() else {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # a server start and a bounded probe on 2 shared cores
-def test_a_clean_kvfence_server_passes(tenants, tmp_path):
-    with Server("--max-context", "4096", "--tenants", tenants, ready_timeout=300) as server:
+def test_a_clean_kvfence_server_passes(tenants_file, tmp_path):
+    with Server("--max-context", "4096", "--tenants", str(tenants_file), ready_timeout=300) as server:
         done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "120",
                                  "--victim-tokens", "600")
     assert done.returncode == EXIT_CLEAN, done.stdout + done.stderr[-3000:]
@@ -421,6 +446,7 @@ def test_a_clean_kvfence_server_passes(tenants, tmp_path):
     assert timing["cross_cached"] <= 32  # at most the chat template's opening, which the last key sent itself
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_with_prefix_scope_off_the_timing_check_catches_the_shared_cache(tenants, tmp_path):
     """The harm the ``prefix_scope`` layer prevents, seen from outside: with the tenant out of the cache key, the
@@ -435,10 +461,11 @@ def test_with_prefix_scope_off_the_timing_check_catches_the_shared_cache(tenants
     assert [f["kind"] for f in report["findings"]] == ["timing"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tenants, tmp_path):
+def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tenants_file, tmp_path):
     flags = ("--emulate-incident", "--prefill-pool-tokens", "1024", "--max-context", "4096",
-             "--decode-pool-tokens", "1088", "--tenants", tenants)
+             "--decode-pool-tokens", "1088", "--tenants", str(tenants_file))
     with Server(*flags, env={"KVFENCE_UNSAFE": "all"}, ready_timeout=300) as server:
         for _ in range(2):  # a leak needs the model to repeat a code from stale KV: most runs show it, not every one
             done, report = run_probe(server, tmp_path, "--requests", "24", "--time-limit", "180", "--no-timing")
@@ -452,6 +479,7 @@ def test_the_incident_server_leaks_and_answers_over_length_prompts_with_200(tena
     assert "leak" in done.stdout and "key3" in done.stdout
 
 
+@pytest.mark.fast
 def test_a_server_that_answers_every_chat_with_503_is_inconclusive_not_a_usage_error():
     """Calibration that fails on the server's side (503) is no reason to blame the user (exit 2): the run goes on,
     notes it, and ends inconclusive (exit 3): nothing it needed came back."""

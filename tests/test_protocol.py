@@ -1,5 +1,7 @@
 """The sans-IO protocol cores, fed messages directly; each test asserts the exact messages and actions out."""
 
+import pytest
+
 from kvfence.core import ContextLengthExceeded, Request, SamplingParams, TokenLogprob
 from kvfence.kvcache.pages import PageGrant, PageState, PageTable
 from kvfence.protocol.actions import Deliver, Send, StartDecode, StartPrefill, StopDecode, StopPrefill
@@ -28,6 +30,9 @@ from kvfence.protocol.messages import (
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
 from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.safety import Safety
+
+pytestmark = pytest.mark.fast
+
 
 R, P, D = "router", "prefill-0", "decode-0"
 RID = 0xFEED_0000_0000_0000_0000_0000_0000_0001

@@ -25,17 +25,11 @@ from kvfence.model.loader import load_model
 from kvfence.safety import Safety
 from tests.pair import Pair
 from tests.server import ROOT, Server
-from tests.tiny_models import tiny_model_dir
 
 PAGE = 16
 OVER_LENGTH = [5 + i % 97 for i in range(40)]  # over the 32-token prefill pool of `incident_pair`
 SHORT = [7 + i % 89 for i in range(30)]
 VICTIM = [11 + i % 83 for i in range(32)]  # fills the decode pool's pages that OVER_LENGTH will be granted
-
-
-@pytest.fixture(scope="module")
-def model() -> str:
-    return str(tiny_model_dir("llama"))
 
 
 def pair_with(monkeypatch, model: str, unsafe: str, **kw) -> Pair:
@@ -74,12 +68,14 @@ def assert_clean(pair: Pair) -> None:
 # -- the incident chain: L1, L2, L3, L4, L5 each stop the placeholder -------------------------------------
 
 
+@pytest.mark.model
 def test_every_layer_off_the_placeholder_is_answered_200(monkeypatch, model):
     """The harm all the following tests prevent: an over-length prompt decoded from stale pages, status 200."""
     result = victim_then_attacker(incident_pair(monkeypatch, model, "all"))
     assert result.status == 200 and len(result.tokens) == 4
 
 
+@pytest.mark.model
 def test_l1_admission_rejects_before_any_grant(monkeypatch, model):
     pair = incident_pair(monkeypatch, model, "preflight")
     epochs = pair.decode.engine.pages.epoch.copy()
@@ -90,6 +86,7 @@ def test_l1_admission_rejects_before_any_grant(monkeypatch, model):
     assert not pair.inflight and (pair.decode.engine.pages.epoch == epochs).all()  # no page granted
 
 
+@pytest.mark.model
 def test_l1_off_an_over_length_request_is_answered_200(monkeypatch, model):
     """Prompt + max_tokens over the context, on a deployment whose pools hold the prompt: only L1 says no."""
     pair = pair_with(monkeypatch, model, "admission", max_context=64, prefill_pool=64, decode_pool=64)
@@ -101,6 +98,7 @@ def test_l1_off_an_over_length_request_is_answered_200(monkeypatch, model):
     assert pair.results[rid].error.code == "context_length_exceeded"
 
 
+@pytest.mark.model
 def test_l2_propagation_carries_prefills_rejection_to_the_client(monkeypatch, model):
     """Only L2 on among the layers that stop the placeholder: prefill's 400 reaches the client."""
     pair = incident_pair(monkeypatch, model, "preflight,admission,tags,coverage,checksum")
@@ -109,6 +107,7 @@ def test_l2_propagation_carries_prefills_rejection_to_the_client(monkeypatch, mo
     assert_clean(pair)
 
 
+@pytest.mark.model
 def test_l2_off_the_decode_legs_status_wins(monkeypatch, model):
     """L2 off (coverage left on): the client gets a 500 for its own over-length prompt, not the 400."""
     pair = incident_pair(monkeypatch, model, "preflight,admission,propagation,tags,checksum")
@@ -116,6 +115,7 @@ def test_l2_off_the_decode_legs_status_wins(monkeypatch, model):
     assert result.status == 500 and result.error.layer == "coverage"
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("layer", ["coverage", "tags", "checksum"])
 def test_each_landing_check_alone_stops_the_placeholder(monkeypatch, model, layer):
     """L4, L3 and L5 each alone (the other two, L1 and L2 off): a 500 naming the layer, no token; the failed
@@ -168,6 +168,7 @@ def late_write_pair(monkeypatch, model: str, unsafe: str) -> Pair:
     return pair_with(monkeypatch, model, unsafe, max_context=64, prefill_pool=64, decode_pool=2 * PAGE + PAGE)
 
 
+@pytest.mark.model
 def test_l6_deferred_release_keeps_pages_until_the_writer_is_done(monkeypatch, model):
     """L6 on (L7 off, so the abort reaches decode mid-transfer): C waits for B's pages and decodes correctly."""
     pair = late_write_pair(monkeypatch, model, "deferred_abort")
@@ -176,18 +177,21 @@ def test_l6_deferred_release_keeps_pages_until_the_writer_is_done(monkeypatch, m
     assert_clean(pair)
 
 
+@pytest.mark.model
 def test_l6_off_a_late_write_lands_in_the_next_owners_pages_and_l3_catches_it(monkeypatch, model):
     pair = late_write_pair(monkeypatch, model, "deferred_abort,deferred_release")
     result, _ = late_write_scenario(pair)
     assert result.status == 500 and result.error.layer == "tags"  # an innocent request failed: the harm of L6 off
 
 
+@pytest.mark.model
 def test_l6_and_l3_off_the_late_write_corrupts_the_next_owners_output(monkeypatch, model):
     pair = late_write_pair(monkeypatch, model, "deferred_abort,deferred_release,tags")
     result, expected = late_write_scenario(pair)
     assert result.status == 200 and result.tokens != expected, result.error  # computed from B KV: what L3 stops
 
 
+@pytest.mark.model
 def test_l7_deferred_abort_lets_the_transfer_finish_before_cancelling(monkeypatch, model):
     """L7 on (L6 off): the disconnect waits for the handoff, so B's writes land before its pages are freed."""
     pair = late_write_pair(monkeypatch, model, "deferred_release")
@@ -214,6 +218,7 @@ def flipped_byte_scenario(pair: Pair):
     return pair.results[rid], expected
 
 
+@pytest.mark.model
 def test_l5_checksum_catches_bytes_flipped_in_flight(monkeypatch, model):
     pair = pair_with(monkeypatch, model, "", max_context=64, prefill_pool=64, decode_pool=64)
     result, _ = flipped_byte_scenario(pair)
@@ -221,6 +226,7 @@ def test_l5_checksum_catches_bytes_flipped_in_flight(monkeypatch, model):
     assert_clean(pair)
 
 
+@pytest.mark.model
 def test_l5_off_flipped_bytes_change_the_output(monkeypatch, model):
     pair = pair_with(monkeypatch, model, "checksum", max_context=64, prefill_pool=64, decode_pool=64)
     result, expected = flipped_byte_scenario(pair)
@@ -230,6 +236,7 @@ def test_l5_off_flipped_bytes_change_the_output(monkeypatch, model):
 # -- L0 --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_l0_preflight_refuses_an_undersized_pool(model):
     cmd = [sys.executable, "-m", "kvfence.cli", "serve", "--model", model, "--mode", "colocated",
            "--max-context", "4096", "--kv-pool-tokens", "1024"]
@@ -238,6 +245,7 @@ def test_l0_preflight_refuses_an_undersized_pool(model):
     assert done.returncode == 2 and "holds 1024 tokens" in done.stderr and "--kv-pool-tokens" in done.stderr
 
 
+@pytest.mark.slow
 def test_l0_off_the_undersized_node_starts_and_cannot_serve_its_context(model):
     with Server("--model", model, "--mode", "colocated", "--max-context", "4096", "--kv-pool-tokens", "1024",
                 env={"KVFENCE_UNSAFE": "preflight"}) as server:
@@ -282,6 +290,7 @@ def overwrite_with_b(engine) -> None:
     region.write_tag(a.page, 2, b.epoch, a.page, PAGE, 0)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("path", ["c", "numpy"])
 def test_l3_a_page_overwritten_under_a_decoding_request_fails_it_alone(model, path, monkeypatch):
     if path == "numpy":
@@ -296,6 +305,7 @@ def test_l3_a_page_overwritten_under_a_decoding_request_fails_it_alone(model, pa
     engine.pages.check_integrity()
 
 
+@pytest.mark.model
 def test_l3_off_a_page_overwritten_under_a_decoding_request_changes_its_output(model):
     clean = run_out(decoding_pair_of_requests(model, Safety(tags=False)))
     engine = decoding_pair_of_requests(model, Safety(tags=False))
@@ -325,11 +335,13 @@ def choices_of(model: str, safety: Safety, n: int, seed: int) -> list[list[int]]
     return tokens
 
 
+@pytest.mark.model
 def test_forked_choices_write_into_their_own_copy_of_the_partial_page(model):
     alone = [choices_of(model, Safety(), 1, 5 + i)[0] for i in range(3)]
     assert choices_of(model, Safety(), 3, 5) == alone
 
 
+@pytest.mark.model
 def test_shared_write_off_choices_write_into_one_partial_page_and_corrupt_each_other(model):
     """With the partial page shared, every choice writes its first token's K/V into the same slot: all but the last
     writer then read another choice's K/V."""

@@ -29,6 +29,7 @@ def nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> set[int]:
     return set(order[keep].tolist())
 
 
+@pytest.mark.fast
 def test_greedy_takes_each_rows_first_maximum_as_torch_argmax_does():
     logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(3))
     logits[1, [7, 9000, 40000]] = 50.0  # ties: the first one wins
@@ -39,6 +40,7 @@ def test_greedy_takes_each_rows_first_maximum_as_torch_argmax_does():
     assert got == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.fast
 def test_temperature_sampling_follows_the_softmax():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
     p = params(temperature=0.8, seed=7)
@@ -48,6 +50,7 @@ def test_temperature_sampling_follows_the_softmax():
     assert counts[4] == 0  # e^-37 relative: never drawn
 
 
+@pytest.mark.slow
 def test_the_same_seed_repeats_and_another_seed_differs():
     logits = torch.randn(49152, generator=torch.Generator().manual_seed(1)) * 2
     a, b = draws(logits, params(temperature=1.0, seed=3), 50), draws(logits, params(temperature=1.0, seed=3), 50)
@@ -55,6 +58,7 @@ def test_the_same_seed_repeats_and_another_seed_differs():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+@pytest.mark.fast
 def test_top_k_draws_only_the_k_most_likely_and_top_k_1_is_greedy():
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(2))
     allowed = set(torch.topk(logits, 5).indices.tolist())
@@ -63,6 +67,7 @@ def test_top_k_draws_only_the_k_most_likely_and_top_k_1_is_greedy():
     assert set(draws(logits, params(temperature=1.5, top_k=1, seed=1), 20).tolist()) == {int(logits.argmax())}
 
 
+@pytest.mark.slow
 def test_top_p_draws_exactly_from_the_nucleus_small_or_larger_than_the_first_try():
     for spread, top_p in ((4.0, 0.5), (0.3, 0.95)):  # a nucleus of a few tokens, and one of thousands
         logits = torch.randn(49152, generator=torch.Generator().manual_seed(5)) * spread
@@ -74,6 +79,7 @@ def test_top_p_draws_exactly_from_the_nucleus_small_or_larger_than_the_first_try
     assert len(nucleus) > NUCLEUS_FIRST_TRY  # the second case took the full sort
 
 
+@pytest.mark.fast
 def test_a_row_is_sampled_the_same_whatever_its_neighbours():
     gen_logits = torch.Generator().manual_seed(9)
     logits = torch.randn(4, 5000, generator=gen_logits)
@@ -88,6 +94,7 @@ def greedy_pick(logits: torch.Tensor, r: Request) -> int:
     return sample(logits[None], [r], [None], EOS)[0]
 
 
+@pytest.mark.fast
 def test_penalties_follow_their_definitions():
     logits = torch.tensor([0.0, 3.0, -2.0, 2.9, 2.0, 1.0])
     plain = params(temperature=0.0)
@@ -110,6 +117,7 @@ def test_penalties_follow_their_definitions():
     assert greedy_pick(logits, req(params(temperature=0.0, frequency_penalty=2.0), prompt=[1])) == 1
 
 
+@pytest.mark.fast
 def test_logit_bias_and_the_min_tokens_ban():
     logits = torch.tensor([0.0, 3.0, 5.0, 1.0])  # token 2 is EOS here
     assert greedy_pick(logits, req(params(temperature=0.0, logit_bias=((3, 10.0),)))) == 3
@@ -125,12 +133,14 @@ def test_logit_bias_and_the_min_tokens_ban():
     assert 2 not in {sample(logits[None], [req(hot)], [gen], EOS)[0] for _ in range(300)}
 
 
+@pytest.mark.fast
 def test_min_p_keeps_exactly_the_tokens_near_the_top():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04]))
     got = set(draws(logits, params(temperature=1.0, min_p=0.15, seed=4), 500).tolist())
     assert got == {0, 1, 2}  # 0.1 >= 0.15 * 0.5; 0.06 is not
 
 
+@pytest.mark.fast
 def test_shaping_leaves_the_logits_alone_and_logprobs_come_from_them():
     logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(1))
     before = logits.clone()
@@ -147,6 +157,7 @@ def test_shaping_leaves_the_logits_alone_and_logprobs_come_from_them():
     assert [v for _, v in got[0].top] == pytest.approx(top.values.tolist())
 
 
+@pytest.mark.fast
 def test_a_shaped_row_is_sampled_the_same_whatever_its_neighbours():
     logits = torch.randn(3, 4000, generator=torch.Generator().manual_seed(2))
     ps = [params(temperature=0.8, seed=5, repetition_penalty=1.3, frequency_penalty=0.5),

@@ -13,6 +13,9 @@ from openai.types.chat import ChatCompletion
 
 from tests.server import Server
 
+pytestmark = pytest.mark.slow
+
+
 CHAT = [{"role": "user", "content": "Tell me a story about a fence."}]
 GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
 

@@ -34,6 +34,7 @@ def run(sched: Scheduler) -> list[tuple[int, int, int]]:
     return [(w.seq.rid, w.start, w.end) for w in work]
 
 
+@pytest.mark.fast
 def test_prefill_chunks_have_fixed_boundaries_and_decodes_go_first():
     s = make(step=16, chunk=8)
     s.add(seq(20, rid=1))
@@ -44,6 +45,7 @@ def test_prefill_chunks_have_fixed_boundaries_and_decodes_go_first():
     assert run(s) == [(1, 20, 21), (2, 7, 8)]  # both decode, oldest first
 
 
+@pytest.mark.fast
 def test_budget_defers_chunks_but_first_chunk_always_runs():
     s = make(step=8, chunk=8)
     s.add(seq(12, rid=1))
@@ -52,6 +54,7 @@ def test_budget_defers_chunks_but_first_chunk_always_runs():
     assert run(s) == [(1, 8, 12), (2, 0, 3)]
 
 
+@pytest.mark.fast
 def test_admission_grants_whole_prompt_pages_in_order():
     s = make(page=4)
     a, b = seq(9, rid=1), seq(4, rid=2)
@@ -63,6 +66,7 @@ def test_admission_grants_whole_prompt_pages_in_order():
     assert all(g.epoch == 1 for g in a.grants + b.grants)
 
 
+@pytest.mark.fast
 def test_decode_grows_one_page_at_a_time():
     s = make(page=4, chunk=8)
     a = seq(4, rid=1)
@@ -73,6 +77,7 @@ def test_decode_grows_one_page_at_a_time():
     assert [g.page for g in a.grants] == [0, 1]
 
 
+@pytest.mark.fast
 def test_pool_exhaustion_preempts_newest_and_it_resumes():
     s = make(pool_tokens=16, page=4, chunk=8, step=16)  # 4 pages
     a, b = seq(8, rid=1), seq(7, rid=2)
@@ -88,6 +93,7 @@ def test_pool_exhaustion_preempts_newest_and_it_resumes():
     s.pages.check_integrity()
 
 
+@pytest.mark.fast
 def test_preempted_request_replays_its_tokens_and_frees_pages():
     s = make(pool_tokens=16, page=4, chunk=8, step=16)  # 4 pages
     a, b = seq(4, rid=1), seq(4, rid=2)
@@ -111,6 +117,7 @@ def test_preempted_request_replays_its_tokens_and_frees_pages():
     s.pages.check_integrity()
 
 
+@pytest.mark.fast
 def test_max_batch_limits_running():
     s = make(batch=2)
     for rid in (1, 2, 3):
@@ -122,6 +129,7 @@ def test_max_batch_limits_running():
 # -- fair shares across tenants (issue 19) ---------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_a_newcomers_prompt_goes_before_the_next_chunk_of_a_long_one():
     """bob's 40-token prompt runs a chunk a step; alice's arrives after his first and goes next, not after his
     last (first come, first served would have made her wait four steps)."""
@@ -133,6 +141,7 @@ def test_a_newcomers_prompt_goes_before_the_next_chunk_of_a_long_one():
     assert run(s) == [(2, 8, 9), (1, 8, 16)]
 
 
+@pytest.mark.fast
 def test_admission_follows_the_share_and_weights_divide_the_charge():
     """Each step admits one 8-token prompt (which then ends). bob (weight 1) and carol (weight 2) wait with three
     each: carol gets two admissions for each of bob's; on a tie the older request goes first."""
@@ -154,6 +163,7 @@ def admission_order(fair: bool) -> list[int]:
     return order
 
 
+@pytest.mark.fast
 def test_fcfs_admits_in_arrival_order_whatever_the_shares():
     """--scheduling fcfs, the baseline fair sharing is measured against: the same waiting requests as above go
     in the order they came, and the newest request is the one preempted."""
@@ -173,6 +183,7 @@ def fill(s: Scheduler, *seqs: Sequence) -> None:
     assert all(x in s.running for x in seqs)
 
 
+@pytest.mark.fast
 def test_a_dry_pool_preempts_the_tenant_furthest_over_its_share_not_the_newest_request():
     """alice's request is the newest, so the old rule (preempt the newest) took it; bob has been served three
     times her tokens, so his newest goes instead, and his again while he stays over his share."""
@@ -187,6 +198,7 @@ def test_a_dry_pool_preempts_the_tenant_furthest_over_its_share_not_the_newest_r
     s.pages.check_integrity()
 
 
+@pytest.mark.fast
 def test_a_tenant_within_its_weighted_share_is_not_preempted():
     """carol (weight 4) runs three requests against bob's one (weight 1): per unit of weight bob has been served
     more, so bob is preempted although carol holds more pages."""
@@ -224,6 +236,7 @@ def generate(tiny, requests: list[Request], pool_tokens: int) -> dict[int, tuple
     return {rid: (tokens[rid], preempted[rid]) for rid in tokens}
 
 
+@pytest.mark.model
 def test_preemption_spares_the_tenant_within_its_share_and_keeps_greedy_outputs_exact(tiny):
     """bob floods a small pool with three long generations; alice's one request, added last, is never preempted
     while bob's are; every output equals the same request's greedy output alone in a pool with room to spare."""
@@ -240,6 +253,7 @@ def test_preemption_spares_the_tenant_within_its_share_and_keeps_greedy_outputs_
         assert alone[req.rid] == (crowded[req.rid][0], 0)
 
 
+@pytest.mark.fast
 def test_a_forked_choice_reads_its_lenders_pages_under_the_lenders_tags_and_preemption_drops_only_references():
     s = make(page=4, pool_tokens=32)
     a, b = seq(9, rid=1), seq(9, rid=2)

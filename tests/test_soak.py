@@ -15,7 +15,7 @@ import pytest
 from tests.server import ROOT
 from tests.tiny_models import tiny_model_dir
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def soak(tmp_path, *flags: str, unsafe: str = "") -> tuple[subprocess.CompletedProcess, dict]:

@@ -13,6 +13,9 @@ from openai.types.chat import ChatCompletion
 
 from tests.server import Server
 
+pytestmark = pytest.mark.slow
+
+
 ASK = [{"role": "user", "content": "Describe a person."}]
 PERSON = {
     "type": "object",

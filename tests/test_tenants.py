@@ -7,6 +7,9 @@ import pytest
 from kvfence.core import AuthenticationError
 from kvfence.router.tenants import TenantConfigError, Tenants, bearer_key
 
+pytestmark = pytest.mark.fast
+
+
 GOOD = """
 [tenants.alice]
 api_keys = ["sk-alice-1", "sk-alice-2"]

@@ -9,17 +9,17 @@ from kvfence.model.describe import describe_model
 from tests.server import Server
 from tests.tiny_models import tiny_model_dir
 
-TENANTS = '[tenants.alice]\napi_keys = ["sk-alice"]\n'
+pytestmark = pytest.mark.slow
+
+
 ALICE = {"Authorization": "Bearer sk-alice"}
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tenants = tmp_path_factory.mktemp("tokenize") / "tenants.toml"
-    tenants.write_text(TENANTS)
+def server(tenants_file):
     with Server("--mode", "colocated", "--model", str(tiny_model_dir("llama")), "--max-context", "512",
-                "--tenants", str(tenants)) as server:
+                "--tenants", str(tenants_file)) as server:
         yield server
 
 

@@ -75,16 +75,19 @@ def hf_hub_split(hf):
     return tok
 
 
+@pytest.mark.model
 def test_encodings_match_transformers(ours, hf):
     for text in TEXTS:
         assert ours.encode(text) == hf.encode(text, add_special_tokens=False), text
 
 
+@pytest.mark.model
 def test_encodings_match_the_hub_pre_tokenizer_everywhere(ours, hf_hub_split):
     for text in TEXTS + DIGIT_EDGES:
         assert ours.encode(text) == hf_hub_split.encode(text, add_special_tokens=False), text
 
 
+@pytest.mark.model
 def test_digits_split_like_the_models_own_tokenizer(ours, hf):
     ids = ours.encode("  123")
     assert [ours.backend.id_to_token(i) for i in ids] == ["ĠĠ", "1", "2", "3"]
@@ -93,12 +96,14 @@ def test_digits_split_like_the_models_own_tokenizer(ours, hf):
         assert ours.decode(ours.encode(text)) == text
 
 
+@pytest.mark.model
 def test_special_tokens_map_to_ids_and_no_bos_is_added(ours):
     assert ours.encode("<|im_start|>user<|im_end|>") == [1, 4093, 2]
     assert ours.encode("hi")[0] != ours.bos_token_id and not ours.add_bos
     assert ours.eos_token_ids >= {2} and ours.eos_token == "<|im_end|>" and ours.vocab_size == 49152
 
 
+@pytest.mark.model
 def test_chat_template_matches_transformers(ours, hf):
     for messages in CONVERSATIONS:
         for gen in (True, False):
@@ -106,12 +111,14 @@ def test_chat_template_matches_transformers(ours, hf):
             assert ours.apply_chat_template(messages, add_generation_prompt=gen) == want
 
 
+@pytest.mark.model
 def test_decode_round_trip_and_special_tokens(ours):
     for text in TEXTS + DIGIT_EDGES:
         assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
     assert ours.decode(ours.encode("<|im_start|>user\nhi<|im_end|>")) == "user\nhi"
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("text", ["emoji 😀👍🏽 ok", "中文和日本語のテキスト", "🇫🇷👨‍👩‍👧 end", "plain ascii"])
 def test_incremental_detokenizer_streams_whole_characters(ours, text):
     ids = ours.encode(text)
@@ -125,6 +132,7 @@ def test_incremental_detokenizer_streams_whole_characters(ours, text):
     assert sum(1 for d in deltas if d) > 1
 
 
+@pytest.mark.model
 def test_incremental_detokenizer_holds_back_then_flushes(ours):
     emoji = ours.encode("😀")
     assert len(emoji) > 1  # a byte-level vocab spells it in pieces
@@ -133,12 +141,14 @@ def test_incremental_detokenizer_holds_back_then_flushes(ours):
     assert detok.flush() == "\ufffd"  # the stream ended mid-character
 
 
+@pytest.mark.model
 def test_incremental_detokenizer_uses_prompt_context(ours):
     prompt, reply = ours.encode("Say hi"), ours.encode(" there, friend")
     detok = ours.detokenizer(prompt_ids=prompt)
     assert "".join(detok.push(i) for i in reply) + detok.flush() == " there, friend"
 
 
+@pytest.mark.model
 def test_hf_dir_tokenizer_matches_gguf(ours):
     tok = Tokenizer.from_hf_dir(tokenizer_files_dir())
     for text in TEXTS + DIGIT_EDGES:
@@ -147,6 +157,7 @@ def test_hf_dir_tokenizer_matches_gguf(ours):
     assert 2 in tok.eos_token_ids and tok.bos_token == "<|im_start|>" and not tok.add_bos
 
 
+@pytest.mark.model
 def test_template_is_sandboxed_and_can_raise(ours):
     bad = Tokenizer(
         ours.backend,
@@ -168,6 +179,7 @@ def test_template_is_sandboxed_and_can_raise(ours):
         sneaky.apply_chat_template(CONVERSATIONS[0])
 
 
+@pytest.mark.fast
 def test_unsupported_gguf_tokenizer_is_a_clear_error():
     with pytest.raises(ValueError, match="not supported"):
         Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "llama"})

@@ -20,6 +20,9 @@ from kvfence.router.tools import CallStream, ToolCall, ToolUse
 from tests.server import Server
 from tests.tiny_models import tiny_model_dir
 
+pytestmark = pytest.mark.slow
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

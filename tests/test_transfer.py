@@ -34,6 +34,9 @@ from kvfence.transfer import (
 )
 from kvfence.transfer.harness import TargetProcess
 
+pytestmark = pytest.mark.slow
+
+
 PAGE = 4096
 POOL = (64 << 20) + 64 * PAGE  # a 64 MiB write plus room to place it off zero
 FILL = 0x5A
@@ -370,7 +373,7 @@ def test_target_killed_during_large_writes(kind):
         t.start()
         while outcome["writes"] < 2 and t.is_alive():
             time.sleep(0.005)
-        time.sleep(0.01)  # land the kill inside a write more often than not
+        time.sleep(0.01)  # the behaviour under test: land the kill inside a write more often than not
         target.kill()
         killed = time.monotonic()
         t.join(DEATH_LIMIT + 5)
@@ -487,8 +490,7 @@ def _rogue(target: TargetProcess, hello: bytes, then: bytes = b"") -> bytes:
         with contextlib.suppress(OSError):  # the target hangs up on a rogue, perhaps with a reset
             answer += sock.recv(4096)
             sock.sendall(then)
-            time.sleep(0.2)
-            answer += sock.recv(4096)
+            answer += sock.recv(4096)  # waits for the target's answer to ``then``, or its hang-up
     return answer
 
 

@@ -23,11 +23,13 @@ def unsafe(layers: str, **kw) -> CheckConfig:
     return CheckConfig(safety=Safety.from_env(layers), **kw)
 
 
+@pytest.mark.fast
 def test_the_checked_world_runs_the_production_cores():
     w = World(CheckConfig())
     assert (type(w.router), type(w.prefill.core), type(w.decode.core)) == (RouterCore, PrefillCore, DecodeCore)
 
 
+@pytest.mark.slow
 def test_default_config_explores_to_completion_without_violation():
     res = explore(CheckConfig())
     assert res.violation is None, res.report()
@@ -50,6 +52,7 @@ MUTATIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", MUTATIONS)
 def test_each_layer_switched_off_gives_a_short_readable_counterexample(layer):
     cfg, broken = MUTATIONS[layer]
@@ -62,6 +65,7 @@ def test_each_layer_switched_off_gives_a_short_readable_counterexample(layer):
     assert "  1. client" in text  # numbered steps, from the first submission
 
 
+@pytest.mark.slow
 def test_the_router_queue_with_production_dispatch_limits_explores_without_violation():
     """The router holds B in its queue until A ends (A's reservation fills the 3-page pool), through crashes,
     restarts (queued meanwhile, not failed), disconnects while queued and every data-plane fault."""
@@ -69,16 +73,19 @@ def test_the_router_queue_with_production_dispatch_limits_explores_without_viola
     assert res.ok and res.complete and res.quiescent > 0, res.report()
 
 
+@pytest.mark.fast
 def test_a_prefill_with_a_smaller_context_than_the_router_is_safe_with_every_layer_on():
     res = explore(CheckConfig(prefill_max_context=5, faults=Faults(total=0)))
     assert res.ok, res.report()
 
 
+@pytest.mark.slow
 def test_propagation_off_is_also_caught_in_the_default_config():
     res = explore(unsafe("propagation"))
     assert res.violation is not None and res.violation.invariant == "I3", res.report()
 
 
+@pytest.mark.fast
 def test_incident_emulation_leaks_another_tenants_kv_once_its_defences_are_off():
     cfg = unsafe("admission,coverage,tags", emulate_incident=True, faults=Faults(total=0))
     res = explore(cfg, invariants=frozenset({"I1", "I6"}))
@@ -86,11 +93,13 @@ def test_incident_emulation_leaks_another_tenants_kv_once_its_defences_are_off()
     assert "tenant carol" in res.report()  # the placeholder left the other pages holding someone else's KV
 
 
+@pytest.mark.slow
 def test_incident_emulation_with_every_layer_on_is_caught():
     res = explore(CheckConfig(emulate_incident=True, faults=Faults(total=0)))
     assert res.ok, res.report()
 
 
+@pytest.mark.slow
 def test_a_lost_reply_to_the_router_is_reported_as_a_hang():
     """Loss between live processes is off by default (ZeroMQ over TCP does not lose them); the checker still sees it."""
     res = explore(CheckConfig(faults=Faults(drop=1, dup=0, crash=0, disconnect=0, fail=0, lose=0, short=0, corrupt=0)))
@@ -98,6 +107,7 @@ def test_a_lost_reply_to_the_router_is_reported_as_a_hang():
     assert "deadlock" in res.violation.message
 
 
+@pytest.mark.slow
 def test_copy_on_write_and_cached_keys_match_fully_independent_copies():
     """Along random runs, every enabled event: the parent is untouched, and the child equals a deep copy's."""
     rng = random.Random(3)
@@ -122,6 +132,7 @@ def test_copy_on_write_and_cached_keys_match_fully_independent_copies():
     assert {"deliver", "land", "finish", "step", "timeout", "crash", "notice", "restart"} <= kinds, kinds
 
 
+@pytest.mark.fast
 def test_every_fault_kind_is_offered_by_the_environment():
     rng = random.Random(7)
     kinds: set[str] = set()
@@ -141,6 +152,7 @@ ALICE = RequestSpec("A", "alice", 4, 2, 1)
 ONLY = dict(dup=0, crash=0, disconnect=0, fail=0, lose=0, short=0, corrupt=0)  # with these: no other fault
 
 
+@pytest.mark.slow
 def test_a_worker_declared_dead_while_it_runs_is_fenced_and_every_run_ends_clean():
     """The router fences a live worker (paused past --worker-timeout); it runs on, its writes may land, what it sends
     carries its old epoch. Every run ends with A answered once (retried where it had no token), no page reused while
@@ -150,6 +162,7 @@ def test_a_worker_declared_dead_while_it_runs_is_fenced_and_every_run_ends_clean
     assert res.ok and res.complete and res.quiescent > 0, res.report()
 
 
+@pytest.mark.fast
 def test_without_quarantine_for_a_fenced_writer_its_late_writes_land_in_reused_pages(monkeypatch):
     """The harm: a decode worker that frees a fenced writer's pages at once (as for a dead one) grants them to the
     retry while the paused prefill's writes may still land."""
@@ -160,12 +173,14 @@ def test_without_quarantine_for_a_fenced_writer_its_late_writes_land_in_reused_p
     assert "fences it" in res.report() and len(res.trace) <= 20
 
 
+@pytest.mark.fast
 def test_cli_verify_prints_the_state_count_and_exits_0(capsys):
     assert main(["verify", "--max-faults", "0"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"explored [\d,]+ states", out) and "(complete)" in out and "no violation" in out
 
 
+@pytest.mark.fast
 def test_cli_verify_exits_1_on_a_violation_and_2_at_the_state_cap(capsys):
     assert main(["verify", "--unsafe", "deferred_release", "--max-faults", "0"]) == 1
     assert "VIOLATION of I2" in capsys.readouterr().out

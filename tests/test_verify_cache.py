@@ -20,6 +20,8 @@ from kvfence.kvcache.prefix import PrefixCache
 from kvfence.safety import Safety
 from kvfence.verify.cache import CacheConfig, CacheRequest, CacheWorld, CarelessCache, explore_cache
 
+pytestmark = pytest.mark.slow
+
 EXERCISED = {"abort", "admission", "cache hit", "cache insert", "early stop", "eviction under pressure",
              "fork: copy", "fork: wait", "preemption"}
 
