@@ -351,6 +351,44 @@ async def test_colocated_requests_wait_for_room_leave_the_queue_when_cancelled_a
     assert [r.rid for r in engine.requests] == [1, 2, 3]
 
 
+class PrefillingFakeEngine(PagedFakeEngine):
+    """A PagedFakeEngine whose first outputs come only once ``prefilled`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefilled = asyncio.Event()
+
+    async def generate(self, request: Request):
+        self.requests.append(request)
+        await self.prefilled.wait()
+        yield self._script(request)[0]
+        await self.release.wait()
+        for out in self._script(request)[1:]:
+            yield out
+
+    def health(self) -> dict:
+        return {"mode": "fake"}  # no pool figures: only the backlog bounds
+
+
+@pytest.mark.anyio
+async def test_colocated_the_next_prompt_starts_when_the_backlog_gets_a_first_token_not_when_a_request_ends():
+    """With room for one prompt of backlog, request 2 waits while 1 is prefilled, and starts as soon as 1 has its
+    first token, while 1 still decodes (a prompt's backlog ends with its first token, as in disaggregated mode)."""
+    engine = PrefillingFakeEngine()
+    queued = QueuedEngine(engine, limits=DispatchLimits(prefill_backlog_tokens=1, output_reserve_tokens=None))
+    first, second = queued.generate(req(1, "alice")), queued.generate(req(2, "alice"))
+    one, two = asyncio.create_task(anext(first)), asyncio.create_task(anext(second))
+    await async_wait_until(lambda: queued.health()["queued"] == 1, what="request 2 queued behind 1's prefill")
+    assert [r.rid for r in engine.requests] == [1]
+    engine.prefilled.set()
+    assert (await asyncio.wait_for(one, 1)).rid == 1
+    assert (await asyncio.wait_for(two, 1)).rid == 2  # 1 has not ended: release is not set
+    engine.release.set()
+    for stream in (first, second):
+        async for _ in stream:
+            pass
+
+
 @pytest.mark.anyio
 async def test_a_429_leaves_in_openais_shape_with_retry_after_and_is_counted_by_reason():
     tenants = Tenants(KEYS, admin_keys=["sk-admin"], quotas={"bob": TenantQuota(tokens_per_minute=30)})

@@ -12,7 +12,8 @@ Contracts:
   ``prefill_backlog_tokens``, and the KV pages reserved for the started requests (prompt plus up to
   ``output_reserve_tokens`` each) fit the pool. An engine with nothing started always takes the next request.
 - A client that leaves while queued is removed from the queue; one that leaves later aborts as before.
-- Whatever way a started request ends, its room is given back and the queue is dispatched again.
+- A started request's prompt leaves the backlog with its first output, and the queue is dispatched again then;
+  whatever way it ends, its pages' room is given back and the queue is dispatched again.
 - Its first output carries ``queue_time``.
 """
 
@@ -77,6 +78,7 @@ class QueuedEngine:
                 if not handed_off:
                     out.queue_time, handed_off = queue_time, True
                     self._backlog_tokens -= request.prompt_len
+                    self._dispatch()  # its prompt is computed: the prefill backlog has room for the next
                 self.queue.charge(request.tenant, len(out.token_ids))
                 yield out
         finally:
