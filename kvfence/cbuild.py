@@ -112,6 +112,7 @@ def load_extension(source: Path, name: str) -> ModuleType | None:
     if path is None:
         return None
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # a path with the extension suffix: an extension loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -52,15 +52,14 @@ class Channel:
         self.inbox.setsockopt(zmq.LINGER, 0)
         secure(self.inbox, key, server=True)
         self.watch = HandshakeWatch(self.inbox, "inbox")
+        self.outboxes: dict[str, zmq.Socket] = {}
         try:
             self.inbox.bind(bind)
         except zmq.ZMQError:
-            self.outboxes = {}
             self.close()  # the context and the Gate's thread with it
             raise
-        bound = self.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
+        bound = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self.me = me or bound.replace("0.0.0.0", "127.0.0.1")
-        self.outboxes: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.num_bad = 0
@@ -98,7 +97,7 @@ class Channel:
                 timeout_ms = min(timeout_ms, 10)
         if not self.poller.poll(timeout_ms):
             return []
-        envelopes = []
+        envelopes: list[Envelope] = []
         while True:
             try:
                 data = self.inbox.recv(zmq.NOBLOCK)
@@ -114,7 +113,9 @@ class Channel:
     def fd(self) -> int:
         """A file descriptor that turns readable when the inbox may have news (ZeroMQ's: edge-style, so a reader
         must drain the inbox with ``receive`` after each wake-up)."""
-        return self.inbox.getsockopt(zmq.FD)
+        fd = self.inbox.getsockopt(zmq.FD)
+        assert isinstance(fd, int)  # an int option
+        return fd
 
     def forget(self, peer: str) -> None:
         """Drop the outbox to a dead peer so that a restarted one gets a fresh connection."""
@@ -196,7 +197,7 @@ class Gate:
 
 
 _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-_WHY = {
+_WHY: dict[int, str] = {  # a handshake failure's value (a ZMTP protocol error) -> why, in words
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "one side has no cluster key",
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "the two sides hold different cluster keys",
 }

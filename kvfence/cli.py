@@ -310,6 +310,7 @@ def _env_value(action: argparse.Action, text: str):
             raise ValueError("expected 1/0, true/false, yes/no or on/off")
         return not on if isinstance(action, argparse._StoreFalseAction) else on
     convert = action.type or str
+    assert callable(convert)  # kvfence's options give their types as callables, never as registered names
     if isinstance(action, argparse._AppendAction):
         return [convert(part.strip()) for part in text.split(",") if part.strip()]
     value = convert(text)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kvfence import env
 
@@ -40,7 +41,7 @@ class Faults:
         if not value.strip():
             return None
         known = [f.name for f in fields(cls)]
-        kwargs: dict[str, float | int] = {}
+        kwargs: dict[str, Any] = {}  # each field's own type: seed an int, the rest floats
         for part in value.split(","):
             name, _, number = part.strip().partition("=")
             if name not in known or not number:

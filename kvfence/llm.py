@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvfence import core
 from kvfence.config import EngineConfig, default_pool_tokens
 from kvfence.core import MAX_CHOICES, FinishReason, KvfenceError
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
 
 Prompt = str | list[int]
 Chat = list[dict[str, str]]
@@ -126,7 +130,7 @@ class LLM:
     def chat(self, messages: Chat | Sequence[Chat],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or several, through the chat template."""
-        chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        chats = [messages] if _is_chat(messages) else list(messages)
         texts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in chats]
         return self.generate(texts, sampling_params)
 
@@ -162,5 +166,9 @@ class LLM:
         return [results[r.rid] for r in requests]
 
 
-def _is_ids(prompt: object) -> bool:
+def _is_ids(prompt: object) -> TypeIs[list[int]]:
     return isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and bool(prompt)
+
+
+def _is_chat(messages: Chat | Sequence[Chat]) -> TypeIs[Chat]:
+    return bool(messages) and isinstance(messages[0], dict)

@@ -17,8 +17,11 @@ class EngineClient(Protocol):
     iterator (client gone) aborts the request.
     """
 
-    model_name: str
-    max_context: int
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_context(self) -> int: ...
 
     def generate(self, request: Request) -> AsyncIterator[RequestOutput]: ...
 

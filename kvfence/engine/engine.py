@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -170,7 +171,7 @@ class Engine:
             outputs += self._sample(work, logits)
         return outputs
 
-    def check_integrity(self, also_held: list[int] = ()) -> None:
+    def check_integrity(self, also_held: Iterable[int] = ()) -> None:
         """The page table is consistent, and the pages it says are held are exactly those of live requests and
         the prefix cache (plus ``also_held``: pages other owners on this thread hold, e.g. grants awaiting a
         transfer)."""
@@ -220,7 +221,8 @@ class Engine:
 
     def _check_references(self, work: list[Work]) -> tuple[list[Work], list[Work]]:
         """L3 for shared pages: (work whose sequences hold every page they borrow or read shared, the rest)."""
-        good, failed = [], []
+        good: list[Work] = []
+        failed: list[Work] = []
         for w in work:
             seq = w.seq
             reads = [i for i, page in enumerate(seq.page_ids) if i < seq.shared or page in self.pages.holders]
@@ -248,6 +250,7 @@ class Engine:
 
     def _stamp_new_grants(self, work: list[Work]) -> None:
         """Pages granted by the scheduler since the last step are filled by this engine: tag them as ours."""
+        assert self.region is not None  # called only where remote writes land in a region
         for w in work:
             seq = w.seq
             if seq.stamped < len(seq.grants):
@@ -316,9 +319,10 @@ class Engine:
             n = w.end - w.start
             if self._scores_prompt(w):
                 req, scores = w.seq.req, self.trackers[w.seq.rid].prompt_logprobs
+                top = req.params.prompt_logprobs
+                assert top is not None  # _scores_prompt
                 for pos in range(max(w.start, len(scores)), min(w.end, req.prompt_len - 1)):
-                    scores.append(logprob_of(logits[offset + pos - w.start], req.prompt_ids[pos + 1],
-                                             req.params.prompt_logprobs))
+                    scores.append(logprob_of(logits[offset + pos - w.start], req.prompt_ids[pos + 1], top))
             last.append(offset + n - 1)
             offset += n
         return logits[last]
@@ -344,6 +348,7 @@ class Engine:
         The other choices take the prompt's pages (all before any choice ends and releases its own), then each
         records its token."""
         group = seq.group
+        assert group is not None  # only a request's choice 0 with n > 1 forks
         group.forked = True
         for branch, tracker in zip(group.branches[1:], group.trackers[1:], strict=True):
             self.seqs[branch.rid], self.trackers[branch.rid] = branch, tracker
@@ -363,6 +368,7 @@ class Engine:
         """``out`` of choice ``seq`` as its request's output: the request's id, tokens counted over every choice,
         and the request's end only once its last choice ends (with the grants every choice read)."""
         group = seq.group
+        assert group is not None  # called for choices of a group only
         group.tokens += len(out.token_ids)
         out.rid, out.index, out.completion_tokens = group.rid, seq.index, group.tokens
         if seq.index:

@@ -27,6 +27,7 @@ from kvfence.core import InvalidRequest
 
 if TYPE_CHECKING:
     import torch
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stubs only
 
     from kvfence.model.tokenizer import Tokenizer
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 MAX_SCHEMA_BYTES = 64 * 1024
 # JSON laid out as json.dumps does: free whitespace lets a weak model pad forever (seen: 300 tokens of blanks after
 # "{" from a small model); a schema's own "x-guidance" options override this.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @lru_cache(maxsize=4)
@@ -52,6 +53,7 @@ def grammar_for(response_format: dict[str, Any] | None, tokenizer: Tokenizer) ->
     if kind == "json_object":
         schema: Any = {"type": "object"}
     else:
+        assert response_format is not None  # kind is not the default "text"
         schema = response_format["json_schema"].get("schema", {})
     if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
         raise InvalidRequest(f"The JSON schema is too large (more than {MAX_SCHEMA_BYTES} bytes).",

@@ -133,9 +133,10 @@ class LocalEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
-            sink, loop = self._sinks.get(out.rid, (None, None))
-            if sink is None:
+            entry = self._sinks.get(out.rid)
+            if entry is None:
                 continue
+            sink, loop = entry
             if out.finished or out.error is not None:
                 del self._sinks[out.rid]
             by_loop.setdefault(loop, []).append((sink, out))

@@ -109,14 +109,14 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``probs`` with every token outside the nucleus zeroed: the smallest set of most likely tokens whose mass
     reaches ``top_p``. Sorts the 256 most likely first (a full sort of 49k costs ~7 ms), all only if they fall
     short."""
-    top = torch.topk(probs, min(NUCLEUS_FIRST_TRY, probs.numel()))  # sorted, most likely first
-    cum = top.values.cumsum(0)
+    values, indices = torch.topk(probs, min(NUCLEUS_FIRST_TRY, probs.numel()))  # sorted, most likely first
+    cum = values.cumsum(0)
     if cum[-1] < top_p and len(cum) < probs.numel():
-        top = torch.sort(probs, descending=True)
-        cum = top.values.cumsum(0)
-    keep = cum - top.values < top_p  # the mass before a token has not reached top_p yet
+        values, indices = torch.sort(probs, descending=True)
+        cum = values.cumsum(0)
+    keep = cum - values < top_p  # the mass before a token has not reached top_p yet
     out = torch.zeros_like(probs)
-    out[top.indices[keep]] = top.values[keep]
+    out[indices[keep]] = values[keep]
     return out
 
 

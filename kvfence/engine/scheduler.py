@@ -297,6 +297,7 @@ class Scheduler:
                 return False
         self.waiting.remove(seq)
         if hit:
+            assert self.cache is not None  # hits come from the prefix cache
             seq.borrow(self.cache.lend(hit, seq.rid), hit)
         seq.num_computed = seq.cached = len(hit) * self.config.page_size
         self.make_room(fresh)

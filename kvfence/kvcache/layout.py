@@ -76,7 +76,8 @@ class RegionView:
         self.tags = raw[layout.tags_offset :].view(TAG_DTYPE)
 
     def page_checksum(self, page: int, tokens: int) -> int:
-        return xxhash.xxh3_64_intdigest(self.pages[page, : tokens * self.layout.token_bytes])
+        # numpy's stubs give ndarray its buffer protocol (__buffer__) only on Python >= 3.12
+        return xxhash.xxh3_64_intdigest(self.pages[page, : tokens * self.layout.token_bytes])  # type: ignore[arg-type]
 
     def write_tag(self, slot: int, owner: int, epoch: int, page: int, tokens: int, checksum: int) -> None:
         tag = self.tags[slot]
@@ -94,7 +95,7 @@ class RegionView:
                    epochs: np.ndarray) -> np.ndarray:
         """Vectorised: a bool per page, True where its tag record names this owner, epoch and page."""
         tags = self.tags[pages]
-        ok = tags["owner_hi"] == owner_hi
+        ok: np.ndarray = tags["owner_hi"] == owner_hi
         ok &= tags["owner_lo"] == owner_lo
         ok &= tags["epoch"] == epochs
         ok &= tags["page"] == pages

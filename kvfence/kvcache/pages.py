@@ -239,7 +239,7 @@ class PageTable:
 
     def verify(self, pages: np.ndarray, owner_hi: np.ndarray, owner_lo: np.ndarray, epochs: np.ndarray) -> np.ndarray:
         """Vectorised tag check: a bool per page, True where owner and epoch match and the page is held."""
-        ok = self.owner_hi[pages] == owner_hi
+        ok: np.ndarray = self.owner_hi[pages] == owner_hi
         ok &= self.owner_lo[pages] == owner_lo
         ok &= self.epoch[pages] == epochs
         ok &= _HELD[self.state[pages]]

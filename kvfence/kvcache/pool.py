@@ -35,24 +35,27 @@ class KVPool:
         on_cpu = torch.device(device).type == "cpu"
         if buffer is None and on_cpu:
             buffer = memoryview(mmap.mmap(-1, self.layout.nbytes))  # page-aligned, lazily backed
-        self.region = self.host = None
+        self.region: RegionView | None = None
+        self.host: torch.Tensor | None = None
         if buffer is not None:
             self.region = RegionView(self.layout, buffer)
             raw = torch.frombuffer(buffer, dtype=torch.uint8, count=self.layout.tags_offset)
             self.host = raw.view(dtype).view(shape)
         self.staged = self.host is not None and (not on_cpu if staged is None else staged)
-        on_host = self.host is not None and not self.staged
-        self.data = self.host if on_host else torch.empty(shape, dtype=dtype, device=device)
+        self.data = self.host if self.host is not None and not self.staged else torch.empty(shape, dtype=dtype,
+                                                                                           device=device)
 
     def to_host(self, pages: list[int]) -> None:
         """Copy ``pages`` from ``data`` into the region (staged pools; otherwise they are the same bytes)."""
         if self.staged and pages:
+            assert self.host is not None  # staged pools have a region
             idx = torch.tensor(pages)
             self.host.index_copy_(0, idx, self.data.index_select(0, idx.to(self.data.device)).cpu())
 
     def from_host(self, pages: list[int]) -> None:
         """Copy ``pages`` from the region into ``data`` (staged pools; otherwise they are the same bytes)."""
         if self.staged and pages:
+            assert self.host is not None  # staged pools have a region
             idx = torch.tensor(pages)
             self.data.index_copy_(0, idx.to(self.data.device), self.host.index_select(0, idx).to(self.data.device))
 

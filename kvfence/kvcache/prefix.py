@@ -138,7 +138,7 @@ class PrefixCache:
 
     def evict(self, n: int) -> int:
         """Free up to ``n`` cached pages no request holds, least recently used first; returns how many."""
-        victims = []
+        victims: list[bytes] = []
         for key, grant in self.entries.items():
             if len(victims) == n:
                 break

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import fields
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -208,7 +208,7 @@ class Hello(Msg, frozen=True):
     worker: str
     role: str  # "prefill" | "decode"
     control: str  # ZeroMQ address this worker's inbox is bound to
-    data: dict  # decode: its data-plane descriptor (KV target); prefill: {"peers": digest of the Peers it holds}
+    data: dict[str, Any]  # decode: its data-plane descriptor (KV target); prefill: {"peers": digest of its Peers}
     pool_tokens: int
     max_context: int
     free_pages: int = 0
@@ -229,7 +229,7 @@ class Hello(Msg, frozen=True):
 class Peers(Msg, frozen=True):
     """Router -> prefill: the live decode workers and their data-plane descriptors (sent before any use)."""
 
-    decodes: dict[str, dict]
+    decodes: dict[str, dict[str, Any]]
 
     def digest(self) -> str:
         """A short fingerprint; a prefill's Hello carries the one it holds, so the router can resend a lost Peers."""

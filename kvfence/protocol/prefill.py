@@ -28,6 +28,7 @@ Contracts:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -130,7 +131,7 @@ class PrefillCore:
 
     def computed(self, rid: int, tokens: int, checksum: int, first_token: int,
                  first_logprob: TokenLogprob | None = None, prompt_logprobs: list[TokenLogprob] | None = None,
-                 more: list[tuple[int, TokenLogprob | None]] = (), cached_tokens: int = 0) -> list[Action]:
+                 more: Sequence[tuple[int, TokenLogprob | None]] = (), cached_tokens: int = 0) -> list[Action]:
         """The runner finished: every write has landed. ``more``: the first tokens of choices 1..n-1;
         ``cached_tokens``: prompt tokens it read from its prefix cache rather than computed."""
         req = self.reqs.pop(rid)

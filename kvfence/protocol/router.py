@@ -57,6 +57,7 @@ Faults (``worker_down``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -327,8 +328,8 @@ class RouterCore:
             self._end(req)
             err = ServiceUnavailable(f"lost part of the output stream (token {req.delivered} of {first})",
                                      code="output_lost")
-            deliver = [] if req.cancel_pending else [Deliver(req.client, error=err)]
-            return [Send(req.decode, Cancel(req.rid)), *deliver, *self._dispatch()]
+            lost: list[Action] = [] if req.cancel_pending else [Deliver(req.client, error=err)]
+            return [Send(req.decode, Cancel(req.rid)), *lost, *self._dispatch()]
         self.queue.charge(req.tenant, msg.completion_tokens - req.delivered)
         req.delivered = msg.completion_tokens
         if req.cancel_pending:  # the client left during the handoff, which has now ended
@@ -425,7 +426,7 @@ class RouterCore:
                                           "later.", code="no_workers")
         return None
 
-    def _fail_queued(self, error_of) -> list[Action]:
+    def _fail_queued(self, error_of: Callable[[Request], KvfenceError | None]) -> list[Action]:
         """Deliver ``error_of(req)`` to every queued request it names an error for, and drop them."""
         actions: list[Action] = []
         for entry in list(self.queue.entries()):

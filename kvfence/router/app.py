@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Annotated, Any, TypeVar
@@ -109,7 +109,7 @@ def create_app(engine: EngineClient, tokenizer: Any, tenants: Tenants, audit: Au
     max_bytes = limits.request_bytes(engine.max_context)
     server = OpenAIServer(engine, tokenizer, access, Ledger(engine, metrics, audit or AuditLog.null()),
                           FairPool(PENDING_BODIES_PER_TENANT * max_bytes), PublicPrefixes())
-    docs = {} if limits.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs: dict[str, Any] = {} if limits.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="kvfence", summary="Multi-tenant OpenAI-compatible LLM serving", redirect_slashes=False,
                   **docs)
     gate = app.state.gate = Gate(tenants, FailedLogins(metrics.auth_failures))
@@ -185,6 +185,7 @@ def _document_bodies(app: FastAPI, *schemas: type[GenerateBody]) -> None:
                 doc = schema.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(doc.pop("$defs", {}))
                 components[schema.__name__] = doc
+        assert app.openapi_schema is not None  # build() stored it
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -222,7 +223,7 @@ class Call:
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
     @property
-    def schema(self) -> type[GenerateBody]:
+    def schema(self) -> type[ChatCompletionRequest] | type[CompletionRequest]:
         return ChatCompletionRequest if self.chat else CompletionRequest
 
 
@@ -232,7 +233,7 @@ class Job:
     in on a worker thread)."""
 
     call: Call
-    body: GenerateBody | None = None
+    body: ChatCompletionRequest | CompletionRequest | None = None
     prompt_ids: list[int] = field(default_factory=list)
     grammar: str | None = None  # from response_format or a required tool call (engine/grammar.py)
     echo: str | None = None  # the prompt's text, when the completion starts with it
@@ -351,6 +352,7 @@ class OpenAIServer:
         elif isinstance(body.prompt, str):
             ids = self._encode(body.prompt)
         else:
+            assert body.prompt is not None  # check(): a prompt where there are no messages
             ids = self._checked_ids(body.prompt)
         if len(ids) >= self.engine.max_context:
             raise InvalidRequest(f"The prefix has {len(ids)} tokens; a request must fit it and at least one more "
@@ -458,16 +460,18 @@ class OpenAIServer:
 def _choice(fmt: Format, job: Job, index: int, outs: list[RequestOutput], first: RequestOutput) -> dict:
     """Choice ``index`` of a whole response, from its outputs ``outs`` (``first``: the request's first output, which
     carries the prompt's logprobs)."""
-    text: str | None = "".join(o.text for o in outs)
+    text = "".join(o.text for o in outs)
+    content: str | None = text
     calls: list[ToolCall] = []
     if job.tools is not None:
-        text, calls = job.tools.parse(text)
+        content, calls = job.tools.parse(text)
     tokens = tokens_of(outs)
     if job.echo is not None:
+        assert content is not None  # an echo is a completion's, tool calls a chat's
         echoed = echo_tokens(job, first)
-        text, tokens = job.echo + text, Tokens(echoed.ids + tokens.ids, [*echoed.logprobs, *tokens.logprobs])
+        content, tokens = job.echo + content, Tokens(echoed.ids + tokens.ids, [*echoed.logprobs, *tokens.logprobs])
     finish = next(o.choice_finish for o in reversed(outs) if o.choice_finish is not None)
-    return fmt.choice(index, text, finish, tokens, calls)
+    return fmt.choice(index, content, finish, tokens, calls)
 
 
 def echo_tokens(job: Job, first: RequestOutput) -> Tokens:
@@ -486,7 +490,7 @@ def _as_kvfence(err: Exception) -> KvfenceError:
     return err if isinstance(err, KvfenceError) else KvfenceError("Internal server error.")
 
 
-async def _events(gen: Generation, fmt: Format, first: RequestOutput, job: Job) -> AsyncIterator[bytes]:
+async def _events(gen: Generation, fmt: Format, first: RequestOutput, job: Job) -> AsyncGenerator[bytes, None]:
     """The SSE body: for each choice, an opening chunk and the echoed prompt; then text deltas (and tool-call
     deltas, each call whole once its block closed) and a finish chunk per choice, each chunk naming its choice's
     ``index``; the usage chunk; ``[DONE]``.
@@ -684,9 +688,10 @@ class EventStream(StreamingResponse):
     awaits ``on_close(client_gone)``, both shielded from cancellation.
     """
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[bool], Awaitable[None]]) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events  # body_iterator, as the generator it is
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -697,7 +702,7 @@ class EventStream(StreamingResponse):
             gone = True
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+                await self._events.aclose()
                 await self._on_close(gone)
 
 

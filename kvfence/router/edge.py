@@ -175,10 +175,10 @@ class EdgeProtocol(H11Protocol):
             return  # our answer is sent: what still comes is dropped, never buffered
         super().data_received(data)
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> None:
         if self._lingering:
             self._close_now()
-        return super().eof_received()
+        super().eof_received()
 
     def handle_events(self) -> None:
         super().handle_events()

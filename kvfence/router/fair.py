@@ -86,7 +86,11 @@ class FairPool:
             self._idle_threads -= 1
             self._running[tenant] += 1
             done = self._executor.submit(job.fn)
-            done.add_done_callback(lambda f, t=tenant, j=job: loop.call_soon_threadsafe(self._finished, t, j, f))
+
+            def finished(f: Future[Any], t: str = tenant, j: _Job = job) -> None:
+                loop.call_soon_threadsafe(self._finished, t, j, f)
+
+            done.add_done_callback(finished)
 
     def _finished(self, tenant: str, job: _Job, done: Future) -> None:
         self._idle_threads += 1

@@ -27,7 +27,7 @@ from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.faults import Faults
 from kvfence.protocol.actions import Action, Deliver, Send
 from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
-from kvfence.protocol.messages import Admit, Envelope, Hello, Output
+from kvfence.protocol.messages import Admit, Envelope, Hello
 from kvfence.protocol.router import RouterCore, WorkerInfo
 from kvfence.router.admin import RecentRoutes, Route
 from kvfence.safety import Safety
@@ -233,7 +233,8 @@ class RemoteEngine:
 def _to_output(action: Deliver) -> RequestOutput:
     if action.error is not None:
         return RequestOutput(action.rid, [], "", FinishReason.ERROR, error=action.error)
-    o: Output = action.output
+    o = action.output
+    assert o is not None  # a Deliver carries an error or an output
     finish = FinishReason(o.finish_reason) if o.finish_reason else None
     return RequestOutput(action.rid, o.token_ids, o.text, finish, prompt_tokens=o.prompt_tokens,
                          completion_tokens=o.completion_tokens, pages=o.pages, verification=o.verification,

@@ -119,7 +119,7 @@ class Format:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _chunk(self, delta: dict | str, finish: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
-        choice = {"index": index, "delta": delta} if self.chat else {"index": index, "text": delta}
+        choice: dict[str, object] = {"index": index, "delta": delta} if self.chat else {"index": index, "text": delta}
         choice |= {"logprobs": logprobs, "finish_reason": finish}
         chunk = self._envelope(self._chunk_object, [choice])
         return chunk | {"usage": None} if self.include_usage else chunk
@@ -135,8 +135,11 @@ class Format:
                 raw = spell(token)
                 return {"token": raw.decode(errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-            return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(*top) for top in lp.top]}
-                                for t, lp in pairs], "refusal": None}
+            def content(token: int, lp: TokenLogprob | None) -> dict:
+                assert lp is not None  # only an echoed prompt's first token has none, and chat does not echo
+                return entry(token, lp.logprob) | {"top_logprobs": [entry(*top) for top in lp.top]}
+
+            return {"content": [content(t, lp) for t, lp in pairs], "refusal": None}
         texts = [spell(t).decode(errors="replace") for t in tokens.ids]
         offsets = list(accumulate([len(s) for s in texts], initial=tokens.offset))[:-1]
         return {"tokens": texts, "token_logprobs": [lp and lp.logprob for _, lp in pairs],

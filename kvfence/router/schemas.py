@@ -29,7 +29,7 @@ STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate can enter valid UTF-8 JSON
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
-B = TypeVar("B", bound=BaseModel)
+B = TypeVar("B", bound="Body")
 Number = float  # a JSON number; strict mode still takes a JSON integer for it
 _INT64 = 2**63
 _INT32_MAX = 2**31 - 1
@@ -177,7 +177,14 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class GenerateBody(BaseModel):
+class Body(BaseModel):
+    """A request body ``parse_body`` reads: ``check`` rejects what its schema admits but cannot be served."""
+
+    def check(self) -> None:
+        pass
+
+
+class GenerateBody(Body):
     """Fields both endpoints share. ``None`` always means "the default".
 
     Fields we know but do not implement are typed too, and ``check()`` accepts only the values in
@@ -477,7 +484,7 @@ class CompletionRequest(GenerateBody):
         return self.logprobs if self.echo else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     """``POST /tokenize`` in vLLM's shape: a ``prompt`` as is, or ``messages`` through the chat template, as the
     completion endpoints would see them."""
 
@@ -495,7 +502,7 @@ class TokenizeRequest(BaseModel):
             raise InvalidRequest("Give either 'prompt' or 'messages'.", param="prompt")
 
 
-class PublishPrefixRequest(BaseModel):
+class PublishPrefixRequest(Body):
     """``POST /admin/prefixes``: a ``prompt`` as a completion would see it, or ``messages`` through the chat
     template without a generation prompt (a chat's opening, as every chat that starts with it renders it)."""
 
@@ -510,13 +517,10 @@ class PublishPrefixRequest(BaseModel):
             raise InvalidRequest("Give either 'prompt' or 'messages'.", param="prompt")
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Body):
     """``POST /detokenize`` in vLLM's shape."""
 
     model_config = STRICT
 
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
-
-    def check(self) -> None:
-        pass

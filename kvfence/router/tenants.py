@@ -92,7 +92,8 @@ class Tenants:
         self.quotas: dict[str, TenantQuota] = dict(quotas or {})
         self.names: tuple[str, ...] = (OPEN_TENANT,) if keys is None else tuple(keys)
         self._by_digest: dict[bytes, tuple[Kind, str]] = {} if keys is None else _index(keys)
-        for kind, section_keys in (("admin", admin_keys), ("metrics", metrics_keys)):
+        sections: tuple[tuple[Kind, list[str] | None], ...] = (("admin", admin_keys), ("metrics", metrics_keys))
+        for kind, section_keys in sections:
             _add_section(self._by_digest, kind, section_keys)
 
     @classmethod

@@ -105,7 +105,8 @@ def add_audit_log_parser(sub) -> None:
 
 
 def cmd_audit_log(args: argparse.Namespace) -> int:
-    query, problems, matched, total = query_from_args(args), [], 0, 0
+    problems: list[str] = []
+    query, matched, total = query_from_args(args), 0, 0
     encoder = msgspec.json.Encoder()
     try:
         with open(args.file, "rb") as f:

@@ -155,9 +155,11 @@ class Report:
 def make_prompts(tenants: list[str], rng: random.Random, context: int, max_tokens: int) -> list[Prompt]:
     """Three secret-code chats per tenant, the shared normal chats, and a token-id prompt that fits exactly."""
     prompts: list[Prompt] = []
+    words: list[str] = []  # the canaries' words so far
     for t in tenants:
         for _ in range(3):
-            c = new_canary(t, rng, [p.canary.word for p in prompts])
+            c = new_canary(t, rng, words)
+            words.append(c.word)
             prompts.append(Prompt(f"{t}:{c.code}", t, (("user", c.sentence),), canary=c))
     prompts += [Prompt(f"normal:{i}", None, (("user", p),)) for i, p in enumerate(NORMAL_PROMPTS)]
     prompts.append(Prompt("fits exactly", None, token_ids=(PAD_TOKEN,) * (context - max_tokens)))
@@ -358,8 +360,8 @@ class Soak:
             self.reference = asyncio.run(self._reference(server.url))
         finally:
             server.stop()
-        canaries = [p for p in self.prompts if p.canary]
-        repeated = sum(1 for p in canaries if p.canary.code in self.reference[p.key])
+        canaries = [(p.key, p.canary) for p in self.prompts if p.canary]
+        repeated = sum(1 for key, c in canaries if c.code in self.reference[key])
         self.report.canaries_repeated = round(repeated / len(canaries), 3)
         say(f"reference learned for {len(self.reference)} prompts; the model repeats {repeated}/{len(canaries)} "
             "codes" + ("" if repeated else " (leak checks then rest on coherence alone)"))

@@ -47,7 +47,7 @@ from typing import ClassVar, NoReturn
 import numpy as np
 
 Segment = tuple[int, int, int]  # (src_offset, dst_offset, nbytes)
-Plan = list[Segment]  # validated, coalesced segments, as handed to a backend
+Plan = Sequence[Segment]  # validated, coalesced segments, as handed to a backend (a list or a tuple)
 BACKENDS = ("shm", "tcp", "mooncake", "nixl")
 DEFAULT_TIMEOUT = 10.0
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the mmap module of Python 3.11 lacks the name
@@ -77,8 +77,8 @@ class Region:
     """
 
     def __init__(self, mm: mmap.mmap) -> None:
-        self._mm = mm
-        self._anchor = ctypes.c_char.from_buffer(mm)  # a buffer export: pins the mapping while open
+        self._mm: mmap.mmap | None = mm
+        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(mm)  # a buffer export: pins the mapping
         self.address: int = ctypes.addressof(self._anchor)
         self.buffer: memoryview = memoryview(mm)
         self.nbytes = len(mm)
@@ -131,7 +131,7 @@ _SMALL_PLAN = 16  # below this many segments plain Python beats NumPy's per-call
 
 
 def _plan_small(segments: Sequence[Segment], src_size: int, dst_size: int) -> Plan:
-    plan: Plan = []
+    plan: list[Segment] = []
     try:
         for src, dst, n in segments:
             if not type(src) is type(dst) is type(n) is int:  # NumPy integers and the like

@@ -56,11 +56,13 @@ class TargetProcess:
 
     def pin(self, cpus: set[int]) -> None:
         """Run every thread of the child on ``cpus`` (threads it starts later inherit it from their creator)."""
+        assert self.proc.pid is not None  # started in __init__
         pin_threads(self.proc.pid, cpus)
 
     def kill(self) -> None:
         """SIGKILL the child and reap it."""
         if self.proc.is_alive():
+            assert self.proc.pid is not None  # started in __init__
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
 

@@ -175,7 +175,7 @@ class ShmPeer(PeerHandle):
         self.path = descriptor["path"]
         self.fd = fd
         self.mm = mm
-        self._anchor = ctypes.c_char.from_buffer(mm)
+        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(mm)
         self.address = ctypes.addressof(self._anchor)
 
     def ensure_alive(self) -> None:

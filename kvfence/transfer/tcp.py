@@ -531,6 +531,7 @@ class Initiator(KVInitiator):
         """The header and table as one record, then each segment in records of at most ``RECORD`` bytes, sealed
         into the connection's buffer and sent whenever it is full; then the sealed ack."""
         seal, out, buf = conn.seal, conn.scratch, self.buffer
+        assert seal is not None and out is not None  # a sealed connection has its scratch buffer
         total = sum(n for _, _, n in plan)
         head = seal.seal(BATCH.pack(b"KVFB", len(plan), total) + _pack_table(plan))
         pending: list[bytes | memoryview] = [SEALED_HEAD.pack(len(head) - tcp_auth.TAG), head]

@@ -92,11 +92,11 @@ def explore(cfg: CheckConfig, max_states: int = 2_000_000, liveness: bool = True
         for sid, w in frontier:
             if w.quiescent():
                 quiescent.append(sid)
-                res.quarantining += bool(w.decode.core.pages.num_quarantined)
+                res.quarantining += bool(w.decode.live.pages.num_quarantined)
             events = w.events()
-            v = stuck(w, events)
-            if v is not None and v.invariant in wanted:
-                found = (sid, None, v)
+            dead = stuck(w, events)
+            if dead is not None and dead.invariant in wanted:
+                found = (sid, None, dead)
                 break
             for ev in events:
                 w2 = w.clone()
@@ -111,7 +111,7 @@ def explore(cfg: CheckConfig, max_states: int = 2_000_000, liveness: bool = True
                 k = w2.key()
                 nid = seen.get(k)
                 new = nid is None
-                if new:
+                if nid is None:
                     nid = len(parent)
                     seen[k] = nid
                     parent.append(sid)
@@ -151,9 +151,9 @@ def explore(cfg: CheckConfig, max_states: int = 2_000_000, liveness: bool = True
             found = _liveness(len(parent), edges_src, edges_dst, quiescent, parent, via, cfg)
             res.complete = found is None
     if found is not None:
-        sid, ev, v = found
+        sid, final, v = found
         res.violation = v
-        res.trace = _trace(cfg, _path(parent, via, sid) + ([ev] if ev is not None else []))
+        res.trace = _trace(cfg, _path(parent, via, sid) + ([final] if final is not None else []))
         if v.invariant == "I4" and not v.message.startswith("deadlock"):
             last = _replay(cfg, _path(parent, via, sid))
             res.violation = Violation("I4", v.message + "; here " + pending(last))

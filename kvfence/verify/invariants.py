@@ -44,7 +44,7 @@ def no_early_reuse(w: World) -> list[Violation]:
     node = w.decode
     if node.down:
         return []
-    pages = node.core.pages
+    pages = node.live.pages
     out = []
     for _src, wr in w._writes():
         if wr.target != node.inc:
@@ -67,7 +67,7 @@ def integrity(w: World) -> list[Violation]:
     out = []
     node = w.decode
     if not node.down and DECODE in w.changed:
-        pages, core = node.core.pages, node.core
+        pages, core = node.live.pages, node.live
         try:
             pages.check_integrity()
         except PageError as exc:
@@ -90,14 +90,14 @@ def integrity(w: World) -> list[Violation]:
 def nothing_leaked(w: World) -> list[Violation]:
     """I5 at quiescence: every page free or quarantined with a reason, every table empty."""
     out = []
-    pages = w.decode.core.pages
+    pages = w.decode.live.pages
     for p in range(pages.num_pages):
         state = PageState(pages.state[p])
         if state not in (PageState.FREE, PageState.QUARANTINED):
             out.append(Violation("I5", f"at quiescence page {p} is still {state.name.lower()}"))
         elif state is PageState.QUARANTINED and not pages.quarantine_reason.get(p):
             out.append(Violation("I5", f"at quiescence page {p} is quarantined without a reason"))
-    if w.prefill.core.reqs or w.decode.core.reqs or w.router.reqs:
+    if w.prefill.live.reqs or w.decode.live.reqs or w.router.reqs:
         out.append(Violation("I5", "at quiescence a request table is not empty"))
     return out
 
@@ -121,9 +121,9 @@ def pending(w: World) -> str:
     for worker, node in ((PREFILL, w.prefill), (DECODE, w.decode)):
         if node.down:
             parts.append(f"{worker} is down")
-        elif node.core.reqs:
+        elif node.live.reqs:
             parts.append(f"{worker} still holds " + ", ".join(
-                f"{w._name(rid)} ({r.state.value})" for rid, r in node.core.reqs.items()))
+                f"{w._name(rid)} ({r.state.value})" for rid, r in node.live.reqs.items()))
     if w.decode.engine:
         parts.append("decode engine still runs " + ", ".join(w._name(r) for r in w.decode.engine))
     if w.prefill.runs or w.zombies:

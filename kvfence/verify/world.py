@@ -50,10 +50,10 @@ import hashlib
 import io
 import pickle
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -247,6 +247,12 @@ class PrefillNode:
     noticed: bool = True  # the router has handled this worker's death
     epoch: int = 0  # the membership epoch it holds, stamped on what it sends the router
 
+    @property
+    def live(self) -> PrefillCore:
+        """The core of this node, which is up (a crashed node has none until it restarts)."""
+        assert self.core is not None, "prefill is down"
+        return self.core
+
 
 @dataclass
 class DecodeNode:
@@ -257,6 +263,12 @@ class DecodeNode:
     down: bool = False
     noticed: bool = True
     epoch: int = 0
+
+    @property
+    def live(self) -> DecodeCore:
+        """The core of this node, which is up (a crashed node has none until it restarts)."""
+        assert self.core is not None, "decode is down"
+        return self.core
 
 
 class PlaneVerifier:
@@ -337,14 +349,14 @@ def _writes_to(ev: Event) -> tuple[str, ...]:
 class World:
     def __init__(self, cfg: CheckConfig) -> None:
         self.cfg = cfg
-        self.now = 0
+        self.now: float = 0  # abstract time (whole seconds: every timeout is one), as the cores' clocks
         # first come, first served: the fair order's token counters would tell apart states that behave alike
         self.router = RouterCore(ROUTER, cfg.max_context, cfg.safety, policy=QueuePolicy(scheduling="fcfs"),
                                  limits=DispatchLimits() if cfg.router_gate else UNGATED)
         self.prefill = PrefillNode(self._new_prefill_core(), {})
         self.decode = DecodeNode(None, ())
         self._boot_decode(ghost=True)
-        self.net: dict[tuple[str, str], tuple[Message, ...]] = {}
+        self.net: dict[tuple[str, str], tuple[Message | Envelope, ...]] = {}
         self.wire: dict[tuple[str, str], tuple[bytes, ...]] = {}  # the same messages, encoded (for key())
         self.zombies: tuple[Write, ...] = ()  # writes of a crashed prefill the router has not noticed yet
         self.clients = {r.rid: Client() for r in cfg.requests}
@@ -483,7 +495,7 @@ class World:
             evs.append(("step", rid))
         for worker in (PREFILL, DECODE):
             node = self._node(worker)
-            if not node.down and self._expired(node.core):
+            if not node.down and self._expired(node.live):
                 evs.append(("timeout", worker))
             if node.down and not node.noticed:
                 evs.append(("notice", worker))
@@ -537,7 +549,7 @@ class World:
         return (not self._node(worker).down and worker not in self.router.workers
                 and (worker, ROUTER) not in self.net and (ROUTER, worker) not in self.net)
 
-    def _deliverable(self) -> Iterator[tuple[tuple[str, str], int, Message]]:
+    def _deliverable(self) -> Iterator[tuple[tuple[str, str], int, Message | Envelope]]:
         for chan, queue in sorted(self.net.items()):
             dst = chan[1]
             if dst != ROUTER and self._node(dst).down:
@@ -559,19 +571,20 @@ class World:
         for w in dict.fromkeys(self.zombies):
             yield "zombie", w
 
-    def _expired(self, core) -> bool:
+    def _expired(self, core: PrefillCore | DecodeCore) -> bool:
         return any(r.state in TIMED and self.now >= r.deadline for r in core.reqs.values())
 
-    def _next_deadline(self) -> int | None:
+    def _next_deadline(self) -> float | None:
         """When time may next jump to, or None if it may not pass now."""
-        deadlines = []
+        deadlines: list[float] = []
         for worker in (PREFILL, DECODE):
             node = self._node(worker)
             if node.down:
                 continue
-            if self._expired(node.core):
+            core = node.live
+            if self._expired(core):
                 return None  # handle what has expired first
-            deadlines += [r.deadline for r in node.core.reqs.values() if r.state in TIMED]
+            deadlines += [r.deadline for r in core.reqs.values() if r.state in TIMED]
         if not deadlines:
             return None
         if self.cfg.timing == "bounded" and any(True for _ in self._deliverable()):
@@ -586,9 +599,9 @@ class World:
         """Every client has its ending (or left), every role has forgotten every request, nothing is in flight."""
         p, d = self.prefill, self.decode
         return (all(c.submitted and (c.ended or c.gone) for c in self.clients.values())
-                and not self.router.reqs and not p.down and not d.down and not p.core.reqs and not p.runs
+                and not self.router.reqs and not p.down and not d.down and not p.live.reqs and not p.runs
                 and PREFILL in self.router.workers and DECODE in self.router.workers
-                and not d.core.reqs and not d.core.waiting and not d.engine and not self.zombies and not self.net)
+                and not d.live.reqs and not d.live.waiting and not d.engine and not self.zombies and not self.net)
 
     # -- making it happen ---------------------------------------------------------------------
 
@@ -635,7 +648,9 @@ class World:
         if dst == ROUTER:
             epoch = msg.epoch if isinstance(msg, Envelope) else 0
             self._router_receive(src, msg.msg if isinstance(msg, Envelope) else msg, epoch)
-        elif isinstance(msg, Fenced):
+            return
+        assert not isinstance(msg, Envelope)  # only what goes to the router is stamped
+        if isinstance(msg, Fenced):
             self._rejoin(dst, msg)
         elif dst == PREFILL:
             node = self.prefill
@@ -643,11 +658,11 @@ class World:
                 node.decodes = {w: d["incarnation"] for w, d in msg.decodes.items()}
             elif isinstance(msg, WorkerDown):
                 node.decodes.pop(msg.worker, None)
-                self._prefill_do(node.core.peer_down(msg.worker))
+                self._prefill_do(node.live.peer_down(msg.worker))
             else:
-                self._prefill_do(node.core.handle(src, msg, self.now))
+                self._prefill_do(node.live.handle(src, msg, self.now))
         else:
-            core = self.decode.core
+            core = self.decode.live
             if isinstance(msg, WorkerDown):
                 self._decode_do(core.peer_down(msg.worker, self.now, msg.fenced))
             else:
@@ -678,7 +693,7 @@ class World:
                    f"{_tokens(w.tokens)}{', corrupted' if w.corrupt else ''})")
         run = self.prefill.runs.get(w.rid) if src == "run" else None
         if run is not None and run.pending:  # a chunk before the last: the runner reports progress
-            self._prefill_do(self.prefill.core.progress(w.rid, self.cfg.page_size))
+            self._prefill_do(self.prefill.live.progress(w.rid, self.cfg.page_size))
 
     def _ev_cancel(self, src: str, w: Write) -> None:
         self._remove_write(src, w)
@@ -710,7 +725,7 @@ class World:
 
     def _ev_finish(self, rid: int) -> None:
         run = self.prefill.runs.pop(rid)
-        core = self.prefill.core
+        core = self.prefill.live
         if run.failed:
             self._note(lambda: f"prefill runner: {self._name(rid)} ended with a data-plane error")
             self._prefill_do(core.compute_failed(rid, ServiceUnavailable("KV transfer failed")))
@@ -721,14 +736,14 @@ class World:
     def _ev_step(self, rid: int) -> None:
         """One decode step of ``rid``: the engine checks its page table (always on), then reads its pages."""
         node, seq = self.decode, self.decode.engine[rid]
-        pages = node.core.pages
+        pages = node.live.pages
         self._note(lambda: f"decode engine: a step of {self._name(rid)} reads pages {[g.page for g in seq.grants]}")
         if not all(_held_by(pages, rid, g) for g in seq.grants):
             del node.engine[rid]
             pages.quarantine(rid, [g for g in seq.grants if _held_by(pages, rid, g)], "tag mismatch")
             self._note(lambda: f"decode engine: {self._name(rid)}'s page table tags do not match; it fails")
             err = IntegrityError("KV cache verification failed for this request; no output was produced.")
-            self._decode_do(node.core.engine_output(Reject(rid, ErrorInfo.of(err)), self.now))
+            self._decode_do(node.live.engine_output(Reject(rid, ErrorInfo.of(err)), self.now))
             return
         self._check_read(seq)
         token = self._bit(rid)
@@ -739,12 +754,14 @@ class World:
     def _ev_timeout(self, worker: str) -> None:
         self._note(lambda: f"{worker}: timers fire at t={self.now}")
         if worker == PREFILL:
-            self._prefill_do(self.prefill.core.tick(self.now))
+            self._prefill_do(self.prefill.live.tick(self.now))
         else:
-            self._decode_do(self.decode.core.tick(self.now))
+            self._decode_do(self.decode.live.tick(self.now))
 
     def _ev_tick(self) -> None:
-        self.now = self._next_deadline()
+        deadline = self._next_deadline()
+        assert deadline is not None  # a tick is enabled only when there is one
+        self.now = deadline
         self._note(lambda: f"time passes: t={self.now}")
 
     def _ev_crash(self, worker: str) -> None:
@@ -753,11 +770,11 @@ class World:
         for chan in [ch for ch in self.net if ch[1] == worker]:  # its inbox dies with it
             del self.net[chan], self.wire[chan]
         if worker == PREFILL:
-            self.zombies += tuple(w for run in node.runs.values() for w in run.pending)
-            node.runs = {}
+            self.zombies += tuple(w for run in self.prefill.runs.values() for w in run.pending)
+            self.prefill.runs = {}
             self._note(lambda: f"{worker} crashes; writes it already issued may still land")
         else:
-            node.engine = {}
+            self.decode.engine = {}
             self._note(lambda: f"{worker} crashes; its pool is gone")
 
     def _ev_notice(self, worker: str) -> None:
@@ -779,7 +796,7 @@ class World:
             self._note(lambda: f"(the router never notices that {worker} died)")
         node.down, node.inc, node.epoch = False, node.inc + 1, 0  # a new process holds no epoch yet
         if worker == PREFILL:
-            node.core, node.decodes, node.runs = self._new_prefill_core(), {}, {}
+            self.prefill.core, self.prefill.decodes, self.prefill.runs = self._new_prefill_core(), {}, {}
         else:
             self._boot_decode(ghost=False)
         self._note(lambda: f"{worker} restarts (incarnation {node.inc}) with a fresh core and says Hello")
@@ -803,9 +820,9 @@ class World:
             return
         self._note(lambda: f"{worker} learns it was fenced: drops what it holds, rejoins under epoch {fenced.epoch}")
         if worker == PREFILL:
-            self._prefill_do(node.core.drop_all())
+            self._prefill_do(self.prefill.live.drop_all())
         else:
-            self._decode_do(node.core.drop_all(self.now))
+            self._decode_do(self.decode.live.drop_all(self.now))
         node.epoch = fenced.epoch
         self._send(worker, ROUTER, self._hello(worker))
 
@@ -855,7 +872,7 @@ class World:
         target = node.decodes.get(start.decode)
         if target is None or (target != self.decode.inc or self.decode.down):
             self._note(lambda: f"prefill runner: cannot reach {start.decode}'s pool for {self._name(start.rid)}")
-            return node.core.compute_failed(start.rid, ServiceUnavailable("decode worker unreachable"))
+            return node.live.compute_failed(start.rid, ServiceUnavailable("decode worker unreachable"))
         n, ps = len(start.prompt_ids), self.cfg.page_size
         local_pages = -(-n // ps)
         counts = tokens_per_page(n, ps, local_pages)
@@ -877,7 +894,7 @@ class World:
                 elif isinstance(a, StopDecode):
                     seq = self.decode.engine.pop(a.rid, None)
                     if seq is not None:
-                        self.decode.core.pages.free(a.rid, list(seq.grants))
+                        self.decode.live.pages.free(a.rid, list(seq.grants))
                     self._note(lambda a=a: f"decode engine: drops {self._name(a.rid)} and frees its pages")
                 else:
                     raise TypeError(f"decode cannot carry out {a!r}")
@@ -894,11 +911,11 @@ class World:
         finished = seq.produced >= seq.max_tokens
         if finished:
             del self.decode.engine[seq.rid]
-            self.decode.core.pages.free(seq.rid, list(seq.grants))
+            self.decode.live.pages.free(seq.rid, list(seq.grants))
         out = Output(seq.rid, [token], "", "length" if finished else None, seq.prompt_len, seq.produced)
         self._note(lambda: f"decode engine: {self._name(seq.rid)} token {seq.produced} = {self._token_name(token)}"
                    + (" (finished; pages freed)" if finished else ""))
-        actions = self.decode.core.engine_output(out, self.now)
+        actions = self.decode.live.engine_output(out, self.now)
         if deliver:
             self._decode_do(actions)
             return []
@@ -906,11 +923,12 @@ class World:
 
     def _send(self, src: str, dst: str, msg: Message) -> None:
         self._note(lambda: f"  {src} -> {dst}: {self._fmt(msg)}")
+        sent: Message | Envelope = msg
         if dst == ROUTER and self._node(src).epoch:
-            msg = Envelope(src, msg, self._node(src).epoch)  # stamped, as a channel does
+            sent = Envelope(src, msg, self._node(src).epoch)  # stamped, as a channel does
         chan = (src, dst)
-        self.net[chan] = self.net.get(chan, ()) + (msg,)
-        self.wire[chan] = self.wire.get(chan, ()) + (_enc(msg),)
+        self.net[chan] = self.net.get(chan, ()) + (sent,)
+        self.wire[chan] = self.wire.get(chan, ()) + (_enc(sent),)
 
     def _deliver_to_client(self, d: Deliver) -> None:
         client = self.clients.get(d.rid)
@@ -935,6 +953,7 @@ class World:
                 self._violate("I3", f"request {name} fits every limit but got HTTP {err.status} (client's fault)")
             return
         out = d.output
+        assert out is not None  # a Deliver carries an error or an output
         self._note(lambda: f"  client {name} <- tokens {[self._token_name(t) for t in out.token_ids]}"
                    + (f" (finished: {out.finish_reason})" if out.finish_reason else ""))
         if client.rejected_by is not None:
@@ -953,7 +972,7 @@ class World:
 
     def _check_read(self, seq: Seq) -> None:
         """I1: every page a decode step reads is rid's, under its grant, and holds rid's own KV."""
-        pages, name = self.decode.core.pages, self._name(seq.rid)
+        pages, name = self.decode.live.pages, self._name(seq.rid)
         counts = tokens_per_page(seq.prompt_len, self.cfg.page_size, len(seq.grants))
         for g, tokens in zip(seq.grants, counts, strict=True):
             label = self.decode.plane[g.page]
@@ -978,7 +997,7 @@ class World:
     def _node(self, worker: str) -> PrefillNode | DecodeNode:
         return self.prefill if worker == PREFILL else self.decode
 
-    def _take(self, chan: tuple[str, str], i: int) -> Message:
+    def _take(self, chan: tuple[str, str], i: int) -> Message | Envelope:
         queue, wire = self.net[chan], self.wire[chan]
         msg = queue[i]
         if len(queue) > 1:
@@ -1081,7 +1100,7 @@ _SKIP = frozenset({"me", "router", "limits", "safety", "verify", "emulate_incide
                    "request", "stale_messages"})
 
 
-def canon(obj, now: int):
+def canon(obj, now: float):
     """A core (or anything inside one) as nested tuples of atoms, generically: new fields are picked up."""
     t = type(obj)
     f = _CANON.get(t)
@@ -1114,12 +1133,12 @@ def _atom(obj, now):
     return obj
 
 
-def _canon_dict(obj: dict, now: int) -> tuple:
+def _canon_dict(obj: dict, now: float) -> tuple:
     """In insertion order: cores iterate their tables, so the order can decide the order of messages."""
     return tuple([(k if type(k) in _ATOMS else canon(k, now), canon(v, now)) for k, v in obj.items()])
 
 
-def _canon_object(obj, now: int) -> tuple:
+def _canon_object(obj, now: float) -> tuple:
     d = obj.__dict__
     state = d.get("state")
     timed = type(state) in (PState, DState) and state in TIMED
@@ -1127,7 +1146,7 @@ def _canon_object(obj, now: int) -> tuple:
     names = _NAMES.get(t)
     if names is None or len(names[1]) != len(d):
         names = _NAMES[t] = (tuple(k for k in sorted(d) if k not in _SKIP), tuple(d))
-    out = [t.__name__]
+    out: list[object] = [t.__name__]
     for k in names[0]:
         v = d[k]
         if k == "deadline":
@@ -1137,7 +1156,7 @@ def _canon_object(obj, now: int) -> tuple:
     return tuple(out)
 
 
-_CANON: dict[type, object] = {}
+_CANON: dict[type, Callable[[Any, float], object]] = {}
 _NAMES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
 
@@ -1244,7 +1263,9 @@ def _copy_decode(node: DecodeNode) -> DecodeNode:
         c.held = dict(core.held)
         c.shares = _copy_shares(core.shares)
         c.pages = _copy_pages(core.pages)
-        c.verify = PlaneVerifier(new, core.verify.safety, core.verify.page_size)
+        verify = core.verify
+        assert isinstance(verify, PlaneVerifier)  # a World's decode cores verify with one
+        c.verify = PlaneVerifier(new, verify.safety, verify.page_size)
         _copy_extra(core, c, ("me", "router", "pages", "limits", "safety", "verify", "reqs", "waiting", "held",
                               "shares"))
     return new

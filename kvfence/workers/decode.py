@@ -104,9 +104,11 @@ class DecodeWorker(WorkerBase):
 
     def _verify(self, rid: int, grants: list[PageGrant], expected_tokens: int, checksum: int) -> str | None:
         s = self.safety
-        if self.flip_random is not None and self.flip_random.random() < self.faults.flip:
+        if self.flip_random is not None and self.faults is not None and self.flip_random.random() < self.faults.flip:
             self._flip_landed_byte(grants[0].page, min(expected_tokens, self.settings.page_size))
-        problem = check_landing(self._engine.pool.region, rid, [(g.page, g.epoch) for g in grants], expected_tokens,
+        region = self._engine.pool.region
+        assert region is not None  # a decode pool lies on the data plane's region
+        problem = check_landing(region, rid, [(g.page, g.epoch) for g in grants], expected_tokens,
                                 checksum, tags=s.tags, coverage=s.coverage, checksum=s.checksum)
         if problem is None:
             skipped = [layer for layer in ("tags", "coverage", "checksum") if layer in s.disabled]
@@ -116,6 +118,7 @@ class DecodeWorker(WorkerBase):
     def _flip_landed_byte(self, page: int, tokens: int) -> None:
         """Fault injection: corrupt one byte of what landed in ``page``, as a faulty link or NIC would."""
         layout = self._engine.pool.layout
+        assert self.flip_random is not None  # called only where KVFENCE_FAULTS flips bytes
         offset = flip_one_byte(self.target.buffer, layout.page_offset(page), tokens * layout.token_bytes,
                                self.flip_random)
         log.warning("KVFENCE_FAULTS: flipped byte %d of landed page %d", offset, page)

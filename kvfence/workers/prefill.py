@@ -25,7 +25,7 @@ from kvfence.kvcache.layout import TAG_BYTES, KVLayout, tokens_per_page, transfe
 from kvfence.protocol.actions import Action, StartPrefill, StopPrefill
 from kvfence.protocol.messages import Hello, Peers, WorkerDown
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
-from kvfence.transfer.base import KVInitiator, Segment
+from kvfence.transfer.base import KVInitiator, PeerHandle, Segment
 from kvfence.workers.common import WorkerBase, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class Shipment:
     """One prompt on its way to decode: where it goes and what is in flight."""
 
     start: StartPrefill
-    peer: object
+    peer: PeerHandle
     dest: KVLayout  # the decode pool's layout (its tag records follow its own pages)
     shipped: int = 0  # pages sent so far
     sums: list[int] = field(default_factory=list)
@@ -79,7 +79,7 @@ class PrefillRunner(Engine):
         """A prompt may fill the whole pool: prefill stores the prompt's KV, never the sampled token's."""
         return min(self.config.max_context, self.config.num_pages * self.config.page_size) + 1
 
-    def start(self, start: StartPrefill, req: Request, peer: object, dest: KVLayout) -> None:
+    def start(self, start: StartPrefill, req: Request, peer: PeerHandle, dest: KVLayout) -> None:
         self.add(req)
         self.shipments[req.rid] = Shipment(start, peer, dest)
 
@@ -141,6 +141,7 @@ class PrefillRunner(Engine):
         if upto <= ship.shipped:
             return
         region, layout = self.pool.region, self.pool.layout
+        assert region is not None  # a prefill pool lies on the data plane's region
         counts = tokens_per_page(n, ps, len(seq.grants))
         pages = [g.page for g in seq.grants[ship.shipped : upto]]
         wait([self.staged[p] for p in pages if p in self.staged])
@@ -275,6 +276,7 @@ class PrefillWorker(WorkerBase):
 
     def _start(self, start: StartPrefill) -> list[Action]:
         req = start.msg
+        assert req is not None  # the prefill core's StartPrefill carries the router's Prefill
         request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid,
                           weight=req.weight, cache_salt=req.cache_salt, public_tokens=req.public_tokens)
         try:

@@ -11,9 +11,14 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 from kvfence.workers.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from kvfence.workers.common import WorkerBase
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,7 @@ def run_worker(settings: WorkerSettings, supervised: bool = True) -> None:
     stop = _StopLatch(stops)
     if supervised:
         _die_with_parent()
+    Worker: type[WorkerBase]
     if settings.role == "prefill":
         from kvfence.workers.prefill import PrefillWorker as Worker
     else:
@@ -69,7 +75,7 @@ def run_worker(settings: WorkerSettings, supervised: bool = True) -> None:
 class _StopLatch:
     """Catches the stop signals from the start, before the worker exists to hear them, and passes them on."""
 
-    def __init__(self, signals: list[int]) -> None:
+    def __init__(self, signals: Sequence[int]) -> None:
         self.requested = False
         self._target: Callable[[], None] | None = None
         for sig in signals:
@@ -106,7 +112,7 @@ class Supervisor:
     def __init__(self, workers: list[WorkerSettings], on_death: Callable[[str], None]) -> None:
         self.ctx = mp.get_context("spawn")
         self.settings = {s.bind: s for s in workers}
-        self.procs: dict[str, mp.Process] = {}
+        self.procs: dict[str, BaseProcess] = {}
         self.on_death = on_death
         self.restarts = 0
 
@@ -137,6 +143,7 @@ class Supervisor:
         segment a killed decode worker left behind (a live deployment's segments are locked and stay)."""
         for proc in self.procs.values():
             if proc.is_alive():
+                assert proc.pid is not None  # started
                 os.kill(proc.pid, STOP_SIGNAL)
         deadline = time.monotonic() + timeout
         for worker, proc in self.procs.items():
