@@ -6,7 +6,7 @@ credential. From it each plane derives what it needs (``ClusterKey.derive``):
 - **control plane** (ZeroMQ): one CurveZMQ keypair for the whole cluster
   (``curve``). Every inbox is a CURVE server with it, every outbox a CURVE
   client with it, and each inbox admits only clients that prove they hold its
-  secret half (``workers/channel.py``). Messages are encrypted.
+  secret half (``channel.py``). Messages are encrypted.
 - **data plane** (tcp): a secret for a mutual challenge-response before any
   byte lands, and for the per-connection keys that encrypt KV crossing hosts
   (``data_plane_secret``, used by ``transfer/tcp.py``).

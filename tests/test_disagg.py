@@ -173,7 +173,7 @@ def test_malformed_control_messages_are_dropped_not_fatal(four_workers, cluster_
     from kvfence.cluster import ClusterKey
 
     worker, info = next(iter(workers(four_workers, "prefill").items()))
-    dropped = f"prefill[{info['pid']}] kvfence.workers.channel: dropped a malformed control message"
+    dropped = f"prefill[{info['pid']}] kvfence.channel: dropped a malformed control message"
 
     def drops() -> int:  # the worker's own log line for each frame its inbox read and could not decode
         return four_workers.log_text().count(dropped)

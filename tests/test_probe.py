@@ -448,10 +448,10 @@ def test_a_clean_kvfence_server_passes(tenants_file, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_with_prefix_scope_off_the_timing_check_catches_the_shared_cache(tenants, tmp_path):
+def test_with_prefix_scope_off_the_timing_check_catches_the_shared_cache(tenants_file, tmp_path):
     """The harm the ``prefix_scope`` layer prevents, seen from outside: with the tenant out of the cache key, the
     last key's first token on the first key's prefix comes as fast as the first key's own repeat."""
-    with Server("--max-context", "4096", "--tenants", tenants, env={"KVFENCE_UNSAFE": "prefix_scope"},
+    with Server("--max-context", "4096", "--tenants", str(tenants_file), env={"KVFENCE_UNSAFE": "prefix_scope"},
                 ready_timeout=300) as server:
         done, report = run_probe(server, tmp_path, "--requests", "6", "--time-limit", "60", "--victim-tokens", "300")
     assert done.returncode == EXIT_FINDINGS, done.stdout + done.stderr[-3000:]

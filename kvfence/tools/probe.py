@@ -892,10 +892,11 @@ class Prober:
 
     async def timing(self, limits: Limits, rounds: int) -> tuple[Timing, Finding | None]:
         """The timing phase: a prefix cache shared across keys. Per round, on a fresh prefix P of
-        ``timing_prefix_tokens``: the victim (the first canary key) sends P + a question; then the attacker sends
-        P + another question (cross key) and a fresh prefix of P's length + the same question (cold), in an
-        order that alternates by round; then the victim sends P + a third question (same key). One cold request
-        first warms the server to this length. The rounds are judged by ``timing_verdict``."""
+        ``timing_prefix_tokens``: the victim (the first canary key) sends P + a question, then P + another
+        question (same key: does the server cache at all?); then the attacker sends P + a third question (cross
+        key) and a fresh prefix of P's length + the same question (cold), in an order that alternates by round.
+        The same-key repeat comes first so that a small cache has not evicted P for the cold prompt before it.
+        One cold request first warms the server to this length. The rounds are judged by ``timing_verdict``."""
         victim, attacker = self.victims[0], self.attacker
         tokens = timing_prefix_tokens(limits)
         if tokens < TIMING_MIN_PREFIX:
@@ -917,14 +918,14 @@ class Prober:
             prefix = fresh()
             first = await self.stream(victim, f"round {i + 1}: victim's prefix",
                                       timing_prompt(prefix, TIMING_QUESTIONS[0]), tokens)
+            same = await self.stream(victim, f"round {i + 1}: victim's prefix again (same key)",
+                                     timing_prompt(prefix, TIMING_QUESTIONS[2]), tokens)
             got: dict[str, Exchange] = {}
             order = [("victim's prefix (cross key)", prefix), ("fresh prefix (cold)", fresh())]
             for label, text in order if i % 2 == 0 else order[::-1]:
                 got[label] = await self.stream(attacker, f"round {i + 1}: {label}",
                                                timing_prompt(text, TIMING_QUESTIONS[1]), tokens)
             cross, cold = got[order[0][0]], got[order[1][0]]
-            same = await self.stream(victim, f"round {i + 1}: victim's prefix again (same key)",
-                                     timing_prompt(prefix, TIMING_QUESTIONS[2]), tokens)
             first_cross = first_cross or cross
             sizes += [cross.prompt_tokens] if cross.prompt_tokens else []
             results.append(TimingRound(ttft(first), ttft(cross), ttft(cold), ttft(same), cross.cached_tokens))
