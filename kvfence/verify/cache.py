@@ -46,6 +46,7 @@ from kvfence.kvcache.pages import PageError, PageState, PageTable
 from kvfence.kvcache.prefix import PrefixCache
 from kvfence.router.prefixes import PublicPrefixes
 from kvfence.safety import Safety
+from kvfence.verify.explorer import violation_lines
 
 NAMES = {
     "C1": "no write into a shared page",
@@ -588,11 +589,7 @@ class CacheResult:
             lines.append("no violation" + ("" if self.complete else " found so far (state cap reached)"))
             return "\n".join(lines)
         v = self.violation
-        lines.append(f"VIOLATION of {v.invariant} ({NAMES[v.invariant]}) after {len(self.trace)} steps:")
-        for i, step in enumerate(self.trace, 1):
-            lines.append(f"{i:3d}. {step[0]}")
-            lines += [f"       {line}" for line in step[1:]]
-        lines.append(f"  => {v.invariant} ({NAMES[v.invariant]}): {v.message}")
+        lines += violation_lines(v.invariant, NAMES[v.invariant], v.message, self.trace)
         return "\n".join(lines)
 
     def as_dict(self) -> dict:

@@ -53,12 +53,19 @@ class Result:
             lines.append("no violation" + ("" if self.complete else " found so far (state cap reached)"))
             return "\n".join(lines)
         v = self.violation
-        lines.append(f"VIOLATION of {v.invariant} ({NAMES[v.invariant]}) after {len(self.trace)} steps:")
-        for i, step in enumerate(self.trace, 1):
-            lines.append(f"{i:3d}. {step.lines[0]}")
-            lines += [f"       {line.strip()}" for line in step.lines[1:]]
-        lines.append(f"  => {v.invariant} ({NAMES[v.invariant]}): {v.message}")
+        lines += violation_lines(v.invariant, NAMES[v.invariant], v.message, [step.lines for step in self.trace])
         return "\n".join(lines)
+
+
+def violation_lines(invariant: str, name: str, message: str, steps: list[list[str]]) -> list[str]:
+    """A violation as reported: each step of its shortest trace (what the event was, then what it did), then the
+    invariant and why it failed."""
+    lines = [f"VIOLATION of {invariant} ({name}) after {len(steps)} steps:"]
+    for i, step in enumerate(steps, 1):
+        lines.append(f"{i:3d}. {step[0]}")
+        lines += [f"       {line.strip()}" for line in step[1:]]
+    lines.append(f"  => {invariant} ({name}): {message}")
+    return lines
 
 
 Progress = Callable[[Result, int], None]
