@@ -36,7 +36,7 @@ from kvfence.core import Request as EngineRequest
 from kvfence.engine.client import EngineClient
 from kvfence.router.edge import path_param
 from kvfence.router.prefixes import PublicPrefixes
-from kvfence.router.schemas import invalid_request, strict_json
+from kvfence.router.schemas import PublishPrefixRequest, invalid_request, parse_body, strict_json
 from kvfence.router.tenants import Tenants
 
 log = logging.getLogger("kvfence.admin")
@@ -163,7 +163,7 @@ class PrivateBody(BaseModel):
 
 
 def admin_router(engine: ManagedEngine, access: ModelAccess, prefixes: PublicPrefixes,
-                 prefix_ids: Callable[[bytes], list[int]]) -> APIRouter:
+                 prefix_ids: Callable[[PublishPrefixRequest], list[int]]) -> APIRouter:
     """The ``/admin`` routes over ``engine``'s workers, the ``access`` rules of its model and its published
     ``prefixes``; ``prefix_ids`` turns a publish body into tokens (called off the event loop)."""
     router = APIRouter(prefix="/admin")
@@ -209,7 +209,10 @@ def admin_router(engine: ManagedEngine, access: ModelAccess, prefixes: PublicPre
 
     @router.post("/prefixes")
     async def publish(http: Request, admin: Admin) -> dict:
-        ids = await asyncio.to_thread(prefix_ids, await http.body())
+        body = parse_body(await http.body(), PublishPrefixRequest)
+        if body.model is not None:
+            _check_model(engine, body.model)
+        ids = await asyncio.to_thread(prefix_ids, body)
         prefix = prefixes.publish(ids, admin)
         log.info("admin %s published prefix %s (%d tokens)", admin, prefix.id, len(ids))
         return prefix.describe()

@@ -341,12 +341,9 @@ class OpenAIServer:
         strs = [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.engine.max_context, "tokens": ids, "token_strs": strs}
 
-    def prefix_ids(self, raw: bytes) -> list[int]:
+    def prefix_ids(self, body: PublishPrefixRequest) -> list[int]:
         """On a worker thread: the tokens of a ``POST /admin/prefixes`` body, as a request that starts with the
         prefix would begin (see ``PublishPrefixRequest``); checked against the context."""
-        body = parse_body(raw, PublishPrefixRequest)
-        if body.model is not None and body.model != self.engine.model_name:
-            raise NotFound(f"The model `{body.model}` does not exist.", param="model")
         if body.messages is not None:
             ids = self._encode(self._chat_text(body.messages, None, add_generation_prompt=False))
         elif isinstance(body.prompt, str):
