@@ -622,6 +622,7 @@ async def supervise(supervisor, stopping: Callable[[], bool]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    env.openmp_defaults()  # before any command imports torch; worker processes inherit it
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

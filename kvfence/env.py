@@ -1,6 +1,9 @@
 """Every environment variable kvfence reads, in one place. Each is read when its accessor is called, so a test
 may set one and the next caller sees it.
 
+``openmp_defaults`` is the one place kvfence writes the environment for the libraries it loads: the CLI calls it
+before torch (and with it libgomp) is imported, and the worker processes it spawns inherit it.
+
 The data planes also set the log level of the libraries they load (``MC_LOG_LEVEL``, ``NIXL_LOG_LEVEL``) and
 mooncake's own settings; those are the libraries' variables, not kvfence's.
 
@@ -16,6 +19,7 @@ mooncake's own settings; those are the libraries' variables, not kvfence's.
 | ``KVFENCE_TAG_CHECK_C`` | ``kvcache.pages`` | ``0``: L3's tag check in NumPy only (no C fast path) |
 | ``KVFENCE_SHM_C`` | ``transfer.shm`` | ``0``: shm copies in NumPy only (no C copy) |
 | ``KVFENCE_CACHE_DIR`` | ``cbuild`` | where built C kernels are kept (else under ``$XDG_CACHE_HOME`` or ``~/.cache``) |
+| ``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY`` | ``openmp_defaults`` | kept if set; else ``GOMP_SPINCOUNT`` is set |
 | ``KVFENCE_<FLAG>`` | ``cli.defaults_from_env`` | the default of the flag ``--<flag>`` (``flag_default``) |
 """
 
@@ -80,6 +84,21 @@ def flag_default(name: str) -> str | None:
 
 def xdg_cache_home() -> str | None:
     return _text("XDG_CACHE_HOME") or None
+
+
+# Iterations an OpenMP thread spins (each a PAUSE, ~40-150 cycles) at a barrier or between parallel regions
+# before it sleeps: ~0.1-0.2 ms, longer than the gaps between a forward's kernel calls. libgomp's default
+# (300,000: 10-20 ms) lets a waiting thread burn its whole time slice when the host has more runnable threads than
+# cores, while the thread it waits for is not running: a 2,005-token prefill on a loaded 2-core host took 5-15 s
+# instead of ~1.2 s (docs/performance.md, "OpenMP waits").
+OPENMP_SPIN_COUNT = 3000
+
+
+def openmp_defaults() -> None:
+    """Make OpenMP threads spin briefly, then sleep, unless the user chose (``GOMP_SPINCOUNT`` or
+    ``OMP_WAIT_POLICY`` set). Takes effect only before libgomp loads (torch's import loads it)."""
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
 
 
 def c_compiler() -> str:

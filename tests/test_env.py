@@ -35,3 +35,29 @@ def test_switches_are_on_unless_set_to_zero(monkeypatch, value, on):
     else:
         monkeypatch.setenv("KVFENCE_SHM_C", value)
     assert env.shm_c() is on
+
+
+def test_openmp_threads_spin_briefly_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    env.openmp_defaults()
+    assert env.os.environ["GOMP_SPINCOUNT"] == str(env.OPENMP_SPIN_COUNT)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    env.openmp_defaults()
+    assert env.os.environ["GOMP_SPINCOUNT"] == "7"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    env.openmp_defaults()
+    assert "GOMP_SPINCOUNT" not in env.os.environ
+
+
+def test_the_cli_sets_the_openmp_default_before_torch_loads():
+    import subprocess
+    import sys
+
+    script = ("import contextlib, io, os, sys\nfrom kvfence import cli\n"
+              "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): cli.main(['--help'])\n"
+              "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
+    clean = {k: v for k, v in env.os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=clean)
+    assert out.stdout.split() == [str(env.OPENMP_SPIN_COUNT), "False"]
