@@ -724,6 +724,23 @@ static inline __m512 exp_ps(__m512 x) {
 }
 
 
+/* 2^x for x <= ~0 where the result is rounded to bf16 next (softmax weights): x = n + r with n an integer and
+ * |r| <= 1/2, 2^r by its degree-5 Taylor polynomial (relative error below 4e-6, far under bf16's 2^-9), scaled by
+ * 2^n. In base 2 the reduction is one exact subtraction: four operations fewer than exp_ps in the prefill softmax,
+ * its hottest loop. */
+static inline __m512 exp2_weight_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f); /* ln2^k / k!, k = 5 .. 0 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022651f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69314718f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* A task reads one head's 2 D bytes of each slot: a stride the hardware prefetchers do not follow, so the loops
  * fetch the position 8 ahead themselves (1.3-1.6x at 16-32 sequences of 300-1,000 tokens, one thread). */
 static inline void prefetch_head(const uint16_t *p, int64_t D) {
@@ -844,31 +861,42 @@ static void row_maxes(int64_t rows, const int64_t *seen, const attn_scratch *w, 
     for (int64_t r = 0; r < rows; r++) {
         const float *row = w->sc + r * w->cap;
         __m512 m = _mm512_set1_ps(-FLT_MAX);
-        for (int64_t j = 0; j < seen[r]; j += 16) m = _mm512_mask_max_ps(m, first_lanes(seen[r] - j), m, _mm512_loadu_ps(row + j));
+        int64_t j = 0;
+        for (; j + 16 <= seen[r]; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + j));
+        if (j < seen[r]) m = _mm512_mask_max_ps(m, first_lanes(seen[r] - j), m, _mm512_loadu_ps(row + j));
         mx[r] = _mm512_reduce_max_ps(m);
     }
 }
 
 /* Softmax weights of score rows r < 16 of w->sc (r sees positions [0, seen[r]) when r < rows, none otherwise; mx[r]
- * its max score): exp(scale s - scale max), unnormalised, rounded to bf16 into w->p, zero past what r sees up to
- * ``keys32``; inv[r] = 1 / their fp32 sum (0 for r >= rows). round(max(s) scale) is max(round(s scale)), as
- * rounding a product with scale > 0 keeps the order. */
+ * its max score): 2^(s c - round(max c)) with c = scale log2(e) (one fused multiply-subtract, so at the max it is
+ * within half an ulp of 0), unnormalised, rounded to bf16 into w->p, zero past what r sees up to ``keys32``; inv[r] = 1 / their
+ * fp32 sum (0 for r >= rows). */
 static void softmax_rows(int64_t rows, const int64_t *seen, const float mx[16], int64_t keys32, float scale,
                          attn_scratch *w, float inv[16]) {
     const int64_t ld = w->cap;
+    const float scale2 = scale * 1.44269504088896341f; /* e^(s scale) = 2^(s scale log2(e)) */
+    const __m512 sv = _mm512_set1_ps(scale2);
     for (int64_t r = 0; r < 16; r++) {
         const float *row = w->sc + r * ld;
         uint16_t *pr = w->p + r * ld;
         const int64_t n = r < rows ? seen[r] : 0;
-        const __m512 mv = _mm512_set1_ps(r < rows ? mx[r] * scale : 0.0f);
+        const __m512 mv = _mm512_set1_ps(r < rows ? mx[r] * scale2 : 0.0f);
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < keys32; j += 16) {
-            const __mmask16 m = first_lanes(n - j);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(
-                _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_set1_ps(scale)), mv)));
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            const __m512 e = exp2_weight_ps(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), sv, mv));
             sum = _mm512_add_ps(sum, e);
             _mm256_store_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
         }
+        if (j < n) {
+            const __mmask16 m = first_lanes(n - j);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp2_weight_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, row + j), sv, mv)));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_store_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+            j += 16;
+        }
+        for (; j < keys32; j += 16) _mm256_store_si256((__m256i *)(pr + j), _mm256_setzero_si256());
         inv[r] = r < rows ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
     }
 }
@@ -884,7 +912,27 @@ static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, u
     const int64_t keys16 = (last + 15) / 16 * 16, keys32 = (last + 31) / 32 * 32;
     _tile_loadd(4, qb, D * 2); /* the rows' d [0, 32), and [32, 64) */
     if (D > 32) _tile_loadd(5, qb + 32, D * 2);
-    for (int64_t j0 = 0; j0 < keys16; j0 += 16) { /* scores: 16 rows x 16 positions */
+    /* scores: 16 rows x 16 positions per block, two blocks at a time into tiles 0 and 1 (K in 6, 7 and 2, 3), so
+     * that one block's products do not wait for the other's store; each score sums d [0, 32) then [32, 64). */
+    int64_t j0 = 0;
+    for (; j0 + 32 <= keys16; j0 += 32) {
+        const uint32_t *ka = w->kt + j0 / 16 * DP * 256, *kb = ka + DP * 256;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(6, ka, 64);
+        _tile_loadd(2, kb, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 2);
+        if (D > 32) {
+            _tile_loadd(7, ka + 256, 64);
+            _tile_loadd(3, kb + 256, 64);
+            _tile_dpbf16ps(0, 5, 7);
+            _tile_dpbf16ps(1, 5, 3);
+        }
+        _tile_stored(0, w->sc + j0, ld * 4);
+        _tile_stored(1, w->sc + j0 + 16, ld * 4);
+    }
+    if (j0 < keys16) {
         _tile_zero(0);
         _tile_loadd(6, w->kt + j0 / 16 * DP * 256, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -897,17 +945,34 @@ static void attend_rows(const uint16_t *qb, int64_t rows, const int64_t *seen, u
     float inv[16], top[16];
     row_maxes(rows, seen, w, top);
     softmax_rows(rows, seen, top, keys32, scale, w, inv);
+    /* weights x V: 16 rows x D into tiles 0-3, 16 d each; the weights alternate between tiles 4 and 5 and V between
+     * 6 and 7, so a load need not wait for the product still reading the tile before it */
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int64_t j0 = 0; j0 < keys32; j0 += 32) { /* weights x V: 16 rows x D */
+    for (int64_t j0 = 0; j0 < keys32; j0 += 64) {
+        const uint32_t *va = w->vp + j0 / 32 * (D / 16) * 256, *vb = va + D / 16 * 256;
+        const int second = j0 + 32 < keys32;
         _tile_loadd(4, w->p + j0, ld * 2);
-        for (int64_t c = 0; c < D / 16; c++) {
-            _tile_loadd(6, w->vp + (j0 / 32 * (D / 16) + c) * 256, 64);
-            switch (c) {
-            case 0: _tile_dpbf16ps(0, 4, 6); break;
-            case 1: _tile_dpbf16ps(1, 4, 6); break;
-            case 2: _tile_dpbf16ps(2, 4, 6); break;
-            default: _tile_dpbf16ps(3, 4, 6); break;
-            }
+        if (second) _tile_loadd(5, w->p + j0 + 32, ld * 2);
+        _tile_loadd(6, va, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, va + 256, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (D > 32) {
+            _tile_loadd(6, va + 512, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, va + 768, 64);
+            _tile_dpbf16ps(3, 4, 7);
+        }
+        if (!second) break;
+        _tile_loadd(6, vb, 64);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_loadd(7, vb + 256, 64);
+        _tile_dpbf16ps(1, 5, 7);
+        if (D > 32) {
+            _tile_loadd(6, vb + 512, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_loadd(7, vb + 768, 64);
+            _tile_dpbf16ps(3, 5, 7);
         }
     }
     float o[4 * 256] __attribute__((aligned(64)));
