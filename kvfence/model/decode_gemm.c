@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "blocks.h"
 
 /* The first min(left, 16) of 16 lanes; none when left <= 0. */
 static inline __mmask16 first_lanes(int64_t left) {
@@ -252,9 +253,10 @@ int kvf_amx_init(void) { return 0; } /* built without the tile instructions */
  * A Q4_1 block has only 16 distinct values: they are computed once (one vector multiply-add) and the 32
  * nibbles pick from them (vpermw), about 2x cheaper than converting every weight. Blocks go in pairs (their
  * nibbles interleaved at load, blocks.py): one conversion makes both tables and one widening both index sets.
+ *
+ * K-quant rows (Q4_K, Q5_K, Q6_K: GGUF super-blocks of 256, ``blocks.h``) expand the same way, to bf16(fp32(D q -
+ * M)) per weight, gguf's dequantize then a cast to bf16, 32 weights per conversion.
  */
-enum { FMT_BF16 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
-static const int64_t BLOCK_BYTES[] = {0, 20, 34};
 
 static void halves_to_f32(const uint8_t *p, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i += 16) {
@@ -263,8 +265,28 @@ static void halves_to_f32(const uint8_t *p, int64_t n, float *out) {
     }
 }
 
+/* One K-quant row of K weights (K % 256 == 0) -> K bf16 at out. */
+static void expand_kquant_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
+    int8_t q[QK_K];
+    float D[16], M[16];
+    for (int64_t s = 0; s < K / QK_K; s++, out += QK_K) {
+        kquant_unpack(row + s * BLOCK_BYTES[fmt], fmt, q, D, M);
+        for (int g = 0; g < 16; g += 2) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g + 16))));
+            _mm512_storeu_si512(out + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_fmsub_ps(_mm512_set1_ps(D[g + 1]), hi, _mm512_set1_ps(M[g + 1])),
+                _mm512_fmsub_ps(_mm512_set1_ps(D[g]), lo, _mm512_set1_ps(M[g]))));
+        }
+    }
+}
+
 /* One row of K weights -> K bf16 at out. */
 static void expand_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
+    if (is_kquant(fmt)) {
+        expand_kquant_row(row, fmt, K, out);
+        return;
+    }
     const int64_t nb = K / 32;
     float d[nb], m[nb];
     halves_to_f32(row, nb, d);
@@ -305,13 +327,13 @@ static void expand_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
 
 /* ``rows`` consecutive rows from w -> bf16 rows of K at out. */
 static void expand_rows(const uint8_t *w, int fmt, int64_t rows, int64_t K, uint16_t *out) {
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    const int64_t row_bytes = row_bytes_of(fmt, K);
     for (int64_t r = 0; r < rows; r++) expand_row(w + r * row_bytes, fmt, K, out + r * K);
 }
 
 /* Rows ``rows[0 .. n)`` of a block matrix -> bf16 (the embedding's gather). */
 void kvf_expand_rows(const uint8_t *w, int fmt, const int64_t *rows, int64_t n, int64_t K, uint16_t *out) {
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    const int64_t row_bytes = row_bytes_of(fmt, K);
     for (int64_t i = 0; i < n; i++) expand_row(w + rows[i] * row_bytes, fmt, K, out + i * K);
 }
 
@@ -342,12 +364,12 @@ static void *caller_buffer(int64_t n) {
     return buf;
 }
 
-/* The product with w as N rows of K / 32 blocks of format fmt (FMT_Q4_1 or FMT_Q8_0) on vectors: a thread expands
+/* The product with w as N rows of blocks of format fmt (FMT_Q4_1 .. FMT_Q6_K, blocks.h) on vectors: a thread expands
  * 16 weight rows into its buffer, then every x row passes over them as in kvf_gemm_bf16, so the same bits as
- * kvf_gemm_bf16 over the dequantized bf16 weights. Needs N % 16 == 0 and K % 32 == 0 (the caller checks). */
+ * kvf_gemm_bf16 over the dequantized bf16 weights. Needs N % 16 == 0 and whole blocks (the caller checks). */
 void kvf_gemm_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy,
                      int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    const int64_t row_bytes = row_bytes_of(fmt, K);
 #pragma omp parallel num_threads(nthreads)
     {
         uint16_t *expanded = thread_buffer(BUF_EXPANDED, 16 * K * 2);
@@ -378,7 +400,7 @@ static void pack_x_block(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, i
     }
 }
 
-/* w: bf16 rows of stride ldw (fmt FMT_BF16), or rows of K / 32 blocks. The team first packs x's 16-row blocks,
+/* w: bf16 rows of stride ldw (fmt FMT_BF16), or rows of blocks. The team first packs x's 16-row blocks,
  * then each thread takes groups of 64 weight rows, or of 32 where 64 would leave threads unevenly loaded (the
  * last group may be smaller): block rows are first expanded into its own buffer, then every x block passes over
  * the group, two at a time. Needs K % 32 == 0 and N % 16 == 0 (the caller checks); x rows may have any stride. */
@@ -386,7 +408,7 @@ static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int
                      int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t wide = N / 64 % nthreads == 0 || N / 64 >= 8 * nthreads ? 64 : 32; /* rows per group */
     const int64_t mblocks = (M + 15) / 16, groups = (N + wide - 1) / wide;
-    const int64_t row_bytes = fmt == FMT_BF16 ? ldw * 2 : K / 32 * BLOCK_BYTES[fmt];
+    const int64_t row_bytes = fmt == FMT_BF16 ? ldw * 2 : row_bytes_of(fmt, K);
     uint32_t *xp = caller_buffer(mblocks * K * 32); /* per m block: [K / 2 pairs][16 rows] of bf16 pairs */
 #pragma omp parallel num_threads(nthreads)
     {
@@ -441,7 +463,7 @@ void kvf_gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw
     gemm_amx(x, ldx, w, FMT_BF16, ldw, y, ldy, M, N, K, nthreads);
 }
 
-/* The same product with w as N rows of K / 32 blocks of format fmt (FMT_Q4_1 or FMT_Q8_0). */
+/* The same product with w as N rows of blocks of format fmt (FMT_Q4_1 .. FMT_Q6_K, blocks.h). */
 void kvf_gemm_amx_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy,
                          int64_t M, int64_t N, int64_t K, int nthreads) {
     gemm_amx(x, ldx, w, fmt, K, y, ldy, M, N, K, nthreads);
