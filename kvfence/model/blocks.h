@@ -38,13 +38,28 @@ static inline void kquant_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_
     }
 }
 
-/* One super-block sb of format fmt -> its 256 integers q (in weight order) and per group of 16 weights D and M. */
-static inline void kquant_unpack(const uint8_t *sb, int fmt, int8_t q[QK_K], float D[16], float M[16]) {
-    if (fmt == FMT_Q6_K) { /* ql[128], qh[64], int8 scales[16], fp16 d */
-        const uint8_t *ql = sb, *qh = sb + 128;
+/* Super-block sb of format fmt -> per group of 16 weights its scale D and minimum M (fp32, rounded as gguf's). */
+static inline void kquant_scales(const uint8_t *sb, int fmt, float D[16], float M[16]) {
+    if (fmt == FMT_Q6_K) { /* int8 scales[16] at 192, fp16 d at 208 */
         const int8_t *scales = (const int8_t *)(sb + 192);
         const float d = half_to_f32(sb + 208);
         for (int g = 0; g < 16; g++) D[g] = d * (float)scales[g], M[g] = 0.0f;
+        return;
+    }
+    const float d = half_to_f32(sb), dmin = half_to_f32(sb + 2);
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        kquant_scale_min(sb + 4, j, &sc, &m);
+        D[2 * j] = D[2 * j + 1] = d * (float)sc;
+        M[2 * j] = M[2 * j + 1] = dmin * (float)m;
+    }
+}
+
+/* One super-block sb of format fmt -> its 256 integers q (in weight order) and per group of 16 weights D and M. */
+static inline void kquant_unpack(const uint8_t *sb, int fmt, int8_t q[QK_K], float D[16], float M[16]) {
+    kquant_scales(sb, fmt, D, M);
+    if (fmt == FMT_Q6_K) { /* ql[128], qh[64], int8 scales[16], fp16 d */
+        const uint8_t *ql = sb, *qh = sb + 128;
         for (int h = 0; h < 2; h++) /* 128 weights: 4 runs of 32 from 64 bytes of ql and 32 of qh */
             for (int l = 0; l < 32; l++) {
                 const uint8_t a = ql[64 * h + l], b = ql[64 * h + 32 + l], c = qh[32 * h + l];
@@ -57,14 +72,7 @@ static inline void kquant_unpack(const uint8_t *sb, int fmt, int8_t q[QK_K], flo
         return;
     }
     /* Q4_K: fp16 d, fp16 dmin, scales[12], qs[128]; Q5_K: the same, then qh[32] before qs */
-    const float d = half_to_f32(sb), dmin = half_to_f32(sb + 2);
     const uint8_t *qh = sb + 16, *qs = sb + (fmt == FMT_Q5_K ? 48 : 16);
-    for (int j = 0; j < 8; j++) {
-        uint8_t sc, m;
-        kquant_scale_min(sb + 4, j, &sc, &m);
-        D[2 * j] = D[2 * j + 1] = d * (float)sc;
-        M[2 * j] = M[2 * j + 1] = dmin * (float)m;
-    }
     for (int c = 0; c < 4; c++) /* 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones */
         for (int l = 0; l < 32; l++) {
             q[64 * c + l] = (int8_t)(qs[32 * c + l] & 15);
