@@ -122,8 +122,9 @@ def _shape(name: str, vocab: int) -> tuple[int, int]:
     return rows.get(name.split(".")[-1], HIDDEN), FFN if name.endswith("ffn_down") else HIDDEN
 
 
-def write_kquant_llama(path: Path) -> None:
-    """A 2-layer Llama (hidden 256) with SmolLM2's tokenizer, its matrices random K-quant super-blocks."""
+def write_kquant_llama(path: Path, formats: dict[str, str] = FORMATS) -> None:
+    """A 2-layer Llama (hidden 256) with SmolLM2's tokenizer, its matrices random blocks of ``formats`` (K-quant
+    super-blocks; Q8_0 quantized from random weights)."""
     meta = read_gguf(smollm2_gguf_path()).metadata
     vocab = len(meta["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(7)
@@ -143,11 +144,13 @@ def write_kquant_llama(path: Path) -> None:
     w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
     w.add_chat_template(meta["tokenizer.chat_template"])
     w.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-    for name, fmt in FORMATS.items():
+    for name, fmt in formats.items():
         n, k = _shape(name, vocab)
         scale = 0.1 / 15 / 63 * (1.0 if "blk" in name else 4.0)  # weights of about +-0.1 (embedding +-0.4)
-        w.add_tensor(f"{name}.weight", random_kquant(fmt, n, k, rng, scale),
-                     raw_dtype=getattr(gguf.GGMLQuantizationType, fmt))
+        qtype = getattr(gguf.GGMLQuantizationType, fmt)
+        raw = (gguf.quants.quantize(rng.uniform(-0.1, 0.1, (n, k)).astype(np.float32), qtype) if fmt == "Q8_0"
+               else random_kquant(fmt, n, k, rng, scale))
+        w.add_tensor(f"{name}.weight", raw, raw_dtype=qtype)
         if name.endswith("attn_q"):
             for norm in ("attn_norm", "ffn_norm"):
                 w.add_tensor(f"{name[:6]}{norm}.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
@@ -204,3 +207,25 @@ def test_a_kquant_gguf_keeps_its_blocks_and_generates_what_the_dequantized_model
     tokens = greedy(model, ids, 12)
     assert tokens == greedy(dense, ids, 12)
     assert len(set(tokens)) > 1  # a model whose logits depend on its input
+
+
+@pytest.mark.model
+def test_q8_0_beside_kquants_routes_decode_rows_by_format(tmp_path):
+    """A GGUF with Q8_0 attention outputs among K-quants: decode rows multiply the Q8_0 weights in int8 (their
+    ``DecodeBlocks`` copies) and the K-quant ones by the bf16 expansion, and a decode row's logits still do not
+    depend on the other rows of its step."""
+    if not kernels.detect().int8_rows:
+        pytest.skip(f"no int8 kernel here ({kernels.detect().summary()})")
+    path = tmp_path / "mixed.gguf"
+    write_kquant_llama(path, FORMATS | {"blk.0.attn_output": "Q8_0", "blk.1.attn_output": "Q8_0"})
+    loaded = load_model(str(path))
+    model, backend = loaded.model, loaded.model.backend
+    assert backend.decode_int8
+    ids = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then")
+    prompts = [ids, ids[3:], ids[:5] * 3]
+    batched = decode_logits(model, prompts, batched=True)
+    q8 = kernels.library().kvf_gemm_q8
+    for entries in backend._gemm_entries:  # per layer (qkv, o, gate_up, down): (chunks' entry, decode rows')
+        assert [decode[0] is q8 for _, decode in entries] == [False, True, False, False]
+    assert all(torch.equal(a, b) for a, b in zip(batched, decode_logits(model, prompts, False), strict=True))
+    assert len(greedy(model, ids, 6)) == 6
