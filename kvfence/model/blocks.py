@@ -1,4 +1,5 @@
-"""Weights kept in their GGUF blocks (Q4_1, Q8_0), expanded to bf16 inside the matmul kernel.
+"""Weights kept in their GGUF blocks (Q4_1, Q8_0; K-quants Q4_K, Q5_K, Q6_K), expanded to bf16 inside the matmul
+kernel.
 
 A block holds 32 consecutive weights of a row: an fp16 scale d, for Q4_1 an fp16 minimum m and 32 4-bit values
 (low nibbles: weights 0-15, high: 16-31), for Q8_0 32 int8. A row keeps its blocks' fields gathered: every d,
@@ -7,13 +8,21 @@ pairs of blocks a, b: 32 bytes whose low nibbles are a's weights 0-31 and high n
 the bytes to 16 bits and one mask or one shift give either block's 32 indices in order (an odd last block keeps
 the GGUF's order).
 
+A K-quant row keeps the GGUF's own super-blocks of 256 weights, one after another (``blocks.h`` unpacks them):
+Q4_K: fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and minimums, 128 bytes of 4-bit values; Q5_K: the same
+with 32 bytes of fifth bits before the values; Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales
+(one per 16 weights) and fp16 d. A weight is ``d sc q - dmin m`` (Q6_K: ``d sc (q - 32)``), each product rounded in
+float32 as gguf's dequantize rounds it.
+
 ``kernels.gemm`` expands each block to exactly the bf16 values that ``dequantize()`` followed by a cast to bf16
 gives (and that the ``gguf`` package's own dequantize gives), so a model that keeps its blocks computes the same
-bits as one dequantized at load while reading 3.2x (Q4_1) or 1.9x (Q8_0) fewer weight bytes per step.
+bits as one dequantized at load while reading 3.2x (Q4_1), 1.9x (Q8_0), 3.6x (Q4_K), 2.9x (Q5_K) or 2.4x (Q6_K)
+fewer weight bytes per step.
 The model keeps blocks only where the C kernels run (``Model.from_state_dict``).
 
 ``DecodeBlocks`` holds the same blocks regrouped 16 rows at a time for the int8 kernel that one-token chunks
-(decode rows) use where AMX is present (``kernels.gemm`` on it; its arithmetic is in ``decode_gemm.c``).
+(decode rows) use where AMX is present (``kernels.gemm`` on it; its arithmetic is in ``decode_gemm.c``): Q4_1 and
+Q8_0 only (``INT8_FORMATS``); K-quant rows always take the bf16 expansion.
 """
 
 from __future__ import annotations
@@ -23,15 +32,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-BLOCK = 32  # weights per block
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # fp16 d, (Q4_1: fp16 m, 16 bytes of nibbles | Q8_0: 32 int8)
+BLOCK = 32  # weights per block of Q4_1 and Q8_0
+QK_K = 256  # weights per K-quant super-block
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per block of each format
+BLOCK_WEIGHTS = {"Q4_1": BLOCK, "Q8_0": BLOCK, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
+INT8_FORMATS = ("Q4_1", "Q8_0")  # the formats DecodeBlocks (the int8 kernel) takes
 GROUP = 16  # weight rows per group of DecodeBlocks
 GROUP_BLOCK_BYTES = {"Q4_1": 320, "Q8_0": 576}  # one block of a group's 16 rows (decode_gemm.c's layout)
 
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """An ``[N, K]`` weight as ``rows``: uint8 ``[N, K / 32 * BLOCK_BYTES[fmt]]``, one row per weight row."""
+    """An ``[N, K]`` weight as ``rows``: uint8 ``[N, K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt]]``, one row per
+    weight row."""
 
     fmt: str
     rows: torch.Tensor
@@ -40,6 +53,8 @@ class BlockWeight:
     def from_gguf(cls, fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockWeight:
         """``raw``: the tensor's bytes as the GGUF stores them (block after block); ``shape``: ``(N, K)``."""
         n, k = shape
+        if fmt not in INT8_FORMATS:  # K-quants: the GGUF's rows as they are
+            return cls(fmt, torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1)))
         blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, BLOCK_BYTES[fmt])
         fields = (blocks[..., :2], blocks[..., 2:4], _pair_nibbles(blocks[..., 4:])) if fmt == "Q4_1" else (
             blocks[..., :2], blocks[..., 2:])
@@ -47,7 +62,7 @@ class BlockWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.rows.shape[0], self.rows.shape[1] // BLOCK_BYTES[self.fmt] * BLOCK
+        return self.rows.shape[0], self.rows.shape[1] // BLOCK_BYTES[self.fmt] * BLOCK_WEIGHTS[self.fmt]
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +80,9 @@ class BlockWeight:
 
     def fields(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Each block's scale d and (Q4_1; else None) minimum m as float32 ``[N, nb]``, and its values ``[N, nb,
-        32]`` (uint8 0-15 for Q4_1, int8 for Q8_0)."""
+        32]`` (uint8 0-15 for Q4_1, int8 for Q8_0). Q4_1 and Q8_0 only."""
+        if self.fmt not in INT8_FORMATS:
+            raise ValueError(f"fields() takes Q4_1 or Q8_0 blocks, not {self.fmt}")
         n, k = self.shape
         nb = k // BLOCK
         d = self.rows[:, : 2 * nb].contiguous().view(torch.float16).float()
@@ -75,7 +92,10 @@ class BlockWeight:
         return d, None, self.rows[:, 2 * nb :].contiguous().view(torch.int8).reshape(n, nb, BLOCK)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 ``[N, K]``: ``d * q + m`` (Q4_1) or ``d * q`` (Q8_0), each operation rounded in float32."""
+        """float32 ``[N, K]``: ``d * q + m`` (Q4_1) or ``d * q`` (Q8_0), each operation rounded in float32; K-quants
+        as ``_dequantize_kquant``: bit for bit what ``gguf.quants.dequantize`` gives."""
+        if self.fmt not in INT8_FORMATS:
+            return _dequantize_kquant(self.fmt, self.rows).reshape(self.shape)
         d, m, q = self.fields()
         w = d.unsqueeze(-1) * q.float()  # [N, nb, 32]
         if m is not None:
@@ -96,6 +116,8 @@ class DecodeBlocks:
 
     @classmethod
     def from_blocks(cls, w: BlockWeight) -> DecodeBlocks:
+        if w.fmt not in INT8_FORMATS:
+            raise ValueError(f"DecodeBlocks take {' or '.join(INT8_FORMATS)} blocks, not {w.fmt}")
         n, k = w.shape
         if n % GROUP:
             raise ValueError(f"DecodeBlocks need rows in groups of {GROUP}, got {n}")
@@ -148,3 +170,32 @@ def _unpair_nibbles(qs: torch.Tensor, nb: int) -> torch.Tensor:
         last = qs[:, pairs * 16 :].reshape(n, 1, 16)
         w = torch.cat([w, torch.cat([last & 0x0F, last >> 4], dim=-1)], dim=1)
     return w
+
+
+def _dequantize_kquant(fmt: str, rows: torch.Tensor) -> torch.Tensor:
+    """K-quant rows ``[N, bytes]`` -> float32 ``[N, nsb, 256]``: gguf's dequantize in torch, the same float32
+    operations in the same order (the scales ``d * sc`` and ``dmin * m``, then ``d sc q - dmin m``)."""
+    sb = rows.reshape(rows.shape[0], -1, BLOCK_BYTES[fmt])  # [N, nsb, bytes]
+
+    def half(i: int) -> torch.Tensor:  # the fp16 at byte i of each super-block, [N, nsb, 1]
+        return sb[..., i : i + 2].contiguous().view(torch.float16).float()
+
+    if fmt == "Q6_K":
+        ql, qh = sb[..., :128].reshape(*sb.shape[:2], 2, 1, 64), sb[..., 128:192].reshape(*sb.shape[:2], 2, 1, 32)
+        low = (ql >> torch.tensor([0, 4], dtype=torch.uint8).reshape(2, 1)) & 0x0F  # [N, nsb, 2, 2, 64]
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 0x03  # [N, nsb, 2, 4, 32]
+        q = (low.reshape(*sb.shape[:2], 8, 32) | (high.reshape(*sb.shape[:2], 8, 32) << 4)).to(torch.int8) - 32
+        scale = half(208) * sb[..., 192:208].contiguous().view(torch.int8).float()  # [N, nsb, 16]
+        return (scale.unsqueeze(-1) * q.reshape(*sb.shape[:2], 16, 16).float()).reshape(*sb.shape[:2], QK_K)
+    s = sb[..., 4:16].reshape(*sb.shape[:2], 3, 4)  # gguf's get_scale_min
+    dd, mm, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = torch.cat([dd & 0x3F, (md & 0x0F) | ((dd >> 2) & 0x30)], dim=-1).float()  # [N, nsb, 8]
+    mn = torch.cat([mm & 0x3F, (md >> 4) | ((mm >> 2) & 0x30)], dim=-1).float()
+    d, dm = (half(0) * sc).unsqueeze(-1), (half(2) * mn).unsqueeze(-1)
+    qs = sb[..., 48:] if fmt == "Q5_K" else sb[..., 16:]
+    q = ((qs.reshape(*sb.shape[:2], 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(2, 1)) & 0x0F)
+    q = q.reshape(*sb.shape[:2], 8, 32)
+    if fmt == "Q5_K":
+        bits = torch.arange(8, dtype=torch.uint8).reshape(8, 1)
+        q = q | (((sb[..., 16:48].unsqueeze(-2) >> bits) & 0x01) << 4)
+    return (d * q.float() - dm).reshape(*sb.shape[:2], QK_K)

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "blocks.h"
 
 int kvf_amx_init(void) { return 0; } /* no tiles here: kernels.py then never asks for AMX entry points */
 
@@ -105,9 +106,8 @@ static float *f32_buffer(int slot, int64_t n) {
 
 /* GGUF weight blocks (blocks.py): rows of K / 32 blocks, a row's fields gathered (every fp16 d, for Q4_1 every
  * fp16 m, then the values; Q4_1 values paired: byte j of a pair holds block a's weight j in its low nibble and
- * block b's in its high one, an odd last block in the GGUF's order). */
-enum { FMT_BF16 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
-static const int64_t BLOCK_BYTES[] = {0, 20, 34};
+ * block b's in its high one, an odd last block in the GGUF's order); K-quant rows of GGUF super-blocks (blocks.h).
+ */
 
 static inline __m256 round_finite(__m256 v) { /* to the nearest bf16 (even on ties) as to_bf16, v not NaN */
     const __m256i u = _mm256_castps_si256(v);
@@ -151,9 +151,27 @@ static inline void widen_pair(const uint8_t *row, int fmt, int64_t nb, int64_t b
     }
 }
 
-/* Weight row -> K fp32 at out, zero up to K8: bf16 widened, or blocks expanded as widen_pair does. So a model that
- * keeps its blocks computes the bits of its dequantized bf16 copy. */
+/* A K-quant row of K weights (K % 256 == 0) -> K fp32 at out holding bf16(fp32(D q - M)) (blocks.h). */
+static void widen_kquant_row(const uint8_t *row, int fmt, int64_t K, float *out) {
+    int8_t q[QK_K];
+    float D[16], M[16];
+    for (int64_t s = 0; s < K / QK_K; s++, out += QK_K) {
+        kquant_unpack(row + s * BLOCK_BYTES[fmt], fmt, q, D, M);
+        for (int i = 0; i < QK_K; i += 8) {
+            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))));
+            _mm256_storeu_ps(out + i, round_finite(_mm256_fmsub_ps(_mm256_set1_ps(D[i / 16]), v,
+                                                                   _mm256_set1_ps(M[i / 16]))));
+        }
+    }
+}
+
+/* Weight row -> K fp32 at out, zero up to K8: bf16 widened, or blocks expanded as widen_pair (K-quants:
+ * widen_kquant_row) does. So a model that keeps its blocks computes the bits of its dequantized bf16 copy. */
 static void widen_row(const uint8_t *row, int fmt, int64_t K, int64_t K8, float *out) {
+    if (is_kquant(fmt)) { /* K % 256 == 0: K8 == K */
+        widen_kquant_row(row, fmt, K, out);
+        return;
+    }
     if (fmt == FMT_BF16) {
         const uint16_t *w = (const uint16_t *)row;
         int64_t k = 0;
@@ -207,7 +225,7 @@ static void dot_block_rows(const float *xf, const uint8_t *w, int fmt, int64_t r
 void kvf_expand_rows(const uint8_t *w, int fmt, const int64_t *rows, int64_t n, int64_t K, uint16_t *out) {
     float *row = f32_buffer(0, K);
     for (int64_t i = 0; i < n; i++) {
-        widen_row(w + rows[i] * (K / 32 * BLOCK_BYTES[fmt]), fmt, K, K, row);
+        widen_row(w + rows[i] * row_bytes_of(fmt, K), fmt, K, K, row);
         for (int64_t k = 0; k < K; k += 8) store8(out + i * K + k, _mm256_loadu_ps(row + k));
     }
 }
@@ -226,7 +244,7 @@ static void gemm(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, int6
         const int64_t n0 = task * NBLOCK, n1 = n0 + NBLOCK < N ? n0 + NBLOCK : N;
         float *wf = f32_buffer(1, NBLOCK * K8), r[16];
         __m256 acc[16];
-        if (M == 1 && fmt != FMT_BF16 && K % 64 == 0) { /* one row: no buffer, 1.07-1.37x */
+        if (M == 1 && (fmt == FMT_Q4_1 || fmt == FMT_Q8_0) && K % 64 == 0) { /* one row: no buffer, 1.07-1.37x */
             int64_t n = n0;
             for (; n + 8 <= n1; n += 8) {
                 dot_block_rows(xf, w + n * row_bytes, fmt, row_bytes, K, 8, acc);
@@ -268,10 +286,10 @@ void kvf_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ld
     gemm(x, ldx, (const uint8_t *)w, FMT_BF16, ldw * 2, y, ldy, M, N, K, nthreads);
 }
 
-/* The same product with w as N rows of K / 32 blocks of format fmt (FMT_Q4_1 or FMT_Q8_0). */
+/* The same product with w as N rows of blocks of format fmt (FMT_Q4_1 .. FMT_Q6_K, blocks.h). */
 void kvf_gemm_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy,
                      int64_t M, int64_t N, int64_t K, int nthreads) {
-    gemm(x, ldx, w, fmt, K / 32 * BLOCK_BYTES[fmt], y, ldy, M, N, K, nthreads);
+    gemm(x, ldx, w, fmt, row_bytes_of(fmt, K), y, ldy, M, N, K, nthreads);
 }
 
 /* ---- rows on int8: decode_gemm.c's int8 contract, bit for bit ------------------------------------------------

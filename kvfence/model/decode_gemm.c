@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "blocks.h"
 
 /* The first min(left, 16) of 16 lanes; none when left <= 0. */
 static inline __mmask16 first_lanes(int64_t left) {
@@ -252,9 +253,10 @@ int kvf_amx_init(void) { return 0; } /* built without the tile instructions */
  * A Q4_1 block has only 16 distinct values: they are computed once (one vector multiply-add) and the 32
  * nibbles pick from them (vpermw), about 2x cheaper than converting every weight. Blocks go in pairs (their
  * nibbles interleaved at load, blocks.py): one conversion makes both tables and one widening both index sets.
+ *
+ * K-quant rows (Q4_K, Q5_K, Q6_K: GGUF super-blocks of 256, ``blocks.h``) expand the same way, to bf16(fp32(D q -
+ * M)) per weight, gguf's dequantize then a cast to bf16, 32 weights per conversion.
  */
-enum { FMT_BF16 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
-static const int64_t BLOCK_BYTES[] = {0, 20, 34};
 
 static void halves_to_f32(const uint8_t *p, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i += 16) {
@@ -263,8 +265,68 @@ static void halves_to_f32(const uint8_t *p, int64_t n, float *out) {
     }
 }
 
+/* One Q4_K or Q5_K super-block -> its 256 bf16: as Q4_1's pairs, a table of each sub-block's values (16, or 32
+ * for Q5_K) made with one multiply-subtract per 16 and one conversion per 32, then vpermw by the widened values. */
+static inline void expand_q45k_block(const uint8_t *sb, int fmt, uint16_t *out) {
+    float D[16], M[16];
+    kquant_scales(sb, fmt, D, M);
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i low = _mm512_set1_epi16(0x0f);
+    if (fmt == FMT_Q4_K) {
+        const __m512i second_half = _mm512_set1_epi16(0x10);
+        for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles; table's upper half) and 2c + 1 (high) */
+            const __m512 va = _mm512_fmsub_ps(_mm512_set1_ps(D[4 * c]), iota, _mm512_set1_ps(M[4 * c]));
+            const __m512 vb = _mm512_fmsub_ps(_mm512_set1_ps(D[4 * c + 2]), iota, _mm512_set1_ps(M[4 * c + 2]));
+            const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(va, vb);
+            const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * c)));
+            const __m512i ia = _mm512_ternarylogic_epi32(q, low, second_half, 0xea); /* (q & 0x0f) | 0x10 */
+            _mm512_storeu_si512(out + 64 * c, _mm512_permutexvar_epi16(ia, lut));
+            _mm512_storeu_si512(out + 64 * c + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), lut));
+        }
+        return;
+    }
+    const __m512 iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.0f));
+    const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(sb + 16)));
+    for (int c = 0; c < 4; c++) {
+        const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(sb + 48 + 32 * c)));
+        for (int h = 0; h < 2; h++) { /* sub-block j = 2c + h: its 4-bit values, bit j of qh as the fifth */
+            const int j = 2 * c + h;
+            const __m512 dv = _mm512_set1_ps(D[2 * j]), mv = _mm512_set1_ps(M[2 * j]);
+            const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(dv, iota16, mv), _mm512_fmsub_ps(dv, iota, mv));
+            const __m512i nib = h ? _mm512_srli_epi16(q, 4) : _mm512_and_si512(q, low);
+            const __m512i fifth = j <= 4 ? _mm512_slli_epi16(qh, 4 - j) : _mm512_srli_epi16(qh, j - 4);
+            const __m512i idx = _mm512_ternarylogic_epi32(nib, fifth, _mm512_set1_epi16(0x10), 0xf8); /* n | (f & 0x10) */
+            _mm512_storeu_si512(out + 32 * j, _mm512_permutexvar_epi16(idx, lut));
+        }
+    }
+}
+
+/* One K-quant row of K weights (K % 256 == 0) -> K bf16 at out. */
+static void expand_kquant_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
+    int8_t q[QK_K];
+    float D[16], M[16];
+    for (int64_t s = 0; s < K / QK_K; s++, out += QK_K) {
+        if (fmt != FMT_Q6_K) {
+            expand_q45k_block(row + s * BLOCK_BYTES[fmt], fmt, out);
+            continue;
+        }
+        kquant_unpack(row + s * BLOCK_BYTES[fmt], fmt, q, D, M);
+        for (int g = 0; g < 16; g += 2) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g + 16))));
+            _mm512_storeu_si512(out + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_fmsub_ps(_mm512_set1_ps(D[g + 1]), hi, _mm512_set1_ps(M[g + 1])),
+                _mm512_fmsub_ps(_mm512_set1_ps(D[g]), lo, _mm512_set1_ps(M[g]))));
+        }
+    }
+}
+
 /* One row of K weights -> K bf16 at out. */
 static void expand_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
+    if (is_kquant(fmt)) {
+        expand_kquant_row(row, fmt, K, out);
+        return;
+    }
     const int64_t nb = K / 32;
     float d[nb], m[nb];
     halves_to_f32(row, nb, d);
@@ -305,13 +367,13 @@ static void expand_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
 
 /* ``rows`` consecutive rows from w -> bf16 rows of K at out. */
 static void expand_rows(const uint8_t *w, int fmt, int64_t rows, int64_t K, uint16_t *out) {
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    const int64_t row_bytes = row_bytes_of(fmt, K);
     for (int64_t r = 0; r < rows; r++) expand_row(w + r * row_bytes, fmt, K, out + r * K);
 }
 
 /* Rows ``rows[0 .. n)`` of a block matrix -> bf16 (the embedding's gather). */
 void kvf_expand_rows(const uint8_t *w, int fmt, const int64_t *rows, int64_t n, int64_t K, uint16_t *out) {
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    const int64_t row_bytes = row_bytes_of(fmt, K);
     for (int64_t i = 0; i < n; i++) expand_row(w + rows[i] * row_bytes, fmt, K, out + i * K);
 }
 
@@ -342,12 +404,12 @@ static void *caller_buffer(int64_t n) {
     return buf;
 }
 
-/* The product with w as N rows of K / 32 blocks of format fmt (FMT_Q4_1 or FMT_Q8_0) on vectors: a thread expands
+/* The product with w as N rows of blocks of format fmt (FMT_Q4_1 .. FMT_Q6_K, blocks.h) on vectors: a thread expands
  * 16 weight rows into its buffer, then every x row passes over them as in kvf_gemm_bf16, so the same bits as
- * kvf_gemm_bf16 over the dequantized bf16 weights. Needs N % 16 == 0 and K % 32 == 0 (the caller checks). */
+ * kvf_gemm_bf16 over the dequantized bf16 weights. Needs N % 16 == 0 and whole blocks (the caller checks). */
 void kvf_gemm_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy,
                      int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    const int64_t row_bytes = row_bytes_of(fmt, K);
 #pragma omp parallel num_threads(nthreads)
     {
         uint16_t *expanded = thread_buffer(BUF_EXPANDED, 16 * K * 2);
@@ -378,7 +440,7 @@ static void pack_x_block(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, i
     }
 }
 
-/* w: bf16 rows of stride ldw (fmt FMT_BF16), or rows of K / 32 blocks. The team first packs x's 16-row blocks,
+/* w: bf16 rows of stride ldw (fmt FMT_BF16), or rows of blocks. The team first packs x's 16-row blocks,
  * then each thread takes groups of 64 weight rows, or of 32 where 64 would leave threads unevenly loaded (the
  * last group may be smaller): block rows are first expanded into its own buffer, then every x block passes over
  * the group, two at a time. Needs K % 32 == 0 and N % 16 == 0 (the caller checks); x rows may have any stride. */
@@ -386,7 +448,7 @@ static void gemm_amx(const uint16_t *x, int64_t ldx, const void *w, int fmt, int
                      int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t wide = N / 64 % nthreads == 0 || N / 64 >= 8 * nthreads ? 64 : 32; /* rows per group */
     const int64_t mblocks = (M + 15) / 16, groups = (N + wide - 1) / wide;
-    const int64_t row_bytes = fmt == FMT_BF16 ? ldw * 2 : K / 32 * BLOCK_BYTES[fmt];
+    const int64_t row_bytes = fmt == FMT_BF16 ? ldw * 2 : row_bytes_of(fmt, K);
     uint32_t *xp = caller_buffer(mblocks * K * 32); /* per m block: [K / 2 pairs][16 rows] of bf16 pairs */
 #pragma omp parallel num_threads(nthreads)
     {
@@ -441,7 +503,7 @@ void kvf_gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw
     gemm_amx(x, ldx, w, FMT_BF16, ldw, y, ldy, M, N, K, nthreads);
 }
 
-/* The same product with w as N rows of K / 32 blocks of format fmt (FMT_Q4_1 or FMT_Q8_0). */
+/* The same product with w as N rows of blocks of format fmt (FMT_Q4_1 .. FMT_Q6_K, blocks.h). */
 void kvf_gemm_amx_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy,
                          int64_t M, int64_t N, int64_t K, int nthreads) {
     gemm_amx(x, ldx, w, fmt, K, y, ldy, M, N, K, nthreads);

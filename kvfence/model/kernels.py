@@ -48,7 +48,7 @@ _FLAVOURS = {
     "avx2": ("decode_avx2.c", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 }
 OVERRIDES = ("auto", *_FLAVOURS, "none")  # KVFENCE_CPU's values
-_FORMAT_IDS = {"Q4_1": 1, "Q8_0": 2}  # the C files' FMT_*
+_FORMAT_IDS = {"Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}  # blocks.h's FMT_*
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _GEMM_ARGS = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]  # x, ldx, w, ldw|fmt, y, ldy, M N K
 _SIGNATURES = {  # every flavour's entry points (argtypes; all return void)
@@ -80,8 +80,8 @@ class Capabilities:
     amx: bool  # AMX tiles: bf16 products of any size, int8 from 16 rows, prefill attention on tiles
     vnni: bool  # AVX512-VNNI int8 products
     avx2: bool  # the CPU has AVX2, FMA and F16C
-    block_weights: bool  # GGUF Q4_1/Q8_0 weights stay in their blocks (``gemm`` takes ``BlockWeight``)
-    int8_rows: bool  # rows of block weights in int8 (``gemm`` takes ``DecodeBlocks``): decode rows
+    block_weights: bool  # GGUF Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay in their blocks (``gemm`` takes ``BlockWeight``)
+    int8_rows: bool  # rows of Q4_1/Q8_0 block weights in int8 (``gemm`` takes ``DecodeBlocks``): decode rows
     int8_chunks: bool  # prefill chunks in int8 too (where no tiles make bf16 products cheaper)
     prefill_attention: bool  # a C kernel for prefill chunks' attention (head dims 32 and 64)
     forced: str | None = None

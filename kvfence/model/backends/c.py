@@ -29,13 +29,18 @@ from kvfence.config import ModelConfig
 from kvfence.model import kernels
 from kvfence.model.backends.torch import chunk_attention, qkv_extras
 from kvfence.model.batch import Batch
-from kvfence.model.blocks import BlockWeight, DecodeBlocks
+from kvfence.model.blocks import INT8_FORMATS, BlockWeight, DecodeBlocks
 from kvfence.model.memory import release_free_memory
 from kvfence.model.weights import Matrix, Weights
 
 log = logging.getLogger(__name__)
 
 Entries = tuple[kernels.GemmEntry, kernels.GemmEntry]  # (longer chunks' entry, decode rows' entry) of one weight
+
+
+def _int8(w: object) -> bool:
+    """Whether w is a block weight of a format the int8 kernel takes (``DecodeBlocks``: Q4_1, Q8_0)."""
+    return isinstance(w, BlockWeight) and w.fmt in INT8_FORMATS
 
 
 class CBackend:
@@ -50,16 +55,16 @@ class CBackend:
         # one-token chunks (decode rows) multiply block weights in int8 where that kernel runs (``DecodeBlocks``:
         # a copy of the blocks regrouped for it, ``prepare_decode_rows``), and so do longer chunks where no AMX
         # tiles make the bf16 expansion cheaper (``int8_chunks``); KVFENCE_DECODE_INT8=0 keeps all rows on the
-        # bf16 expansion
-        self.decode_int8 = (any(isinstance(w, BlockWeight) for w in weights.layers[0].matrices)
+        # bf16 expansion. Only Q4_1/Q8_0 blocks have an int8 kernel: K-quant weights take the bf16 expansion always
+        self.decode_int8 = (any(_int8(w) for w in weights.layers[0].matrices)
                             and caps.int8_rows and env.decode_int8())
         self.int8_chunks = self.decode_int8 and caps.int8_chunks
         if self.int8_chunks:  # every row of the block weights runs in int8: keep only their regrouped copies
             for layer in weights.layers:
                 for name in ("qkv", "o", "gate_up", "down"):
-                    if isinstance(w := getattr(layer, name), BlockWeight):
+                    if _int8(w := getattr(layer, name)):
                         setattr(layer, name, DecodeBlocks.from_blocks(w))
-            if isinstance(weights.lm_head, BlockWeight):  # the embedding keeps the blocks for its gather
+            if _int8(weights.lm_head):  # the embedding keeps the blocks for its gather
                 weights.lm_head = DecodeBlocks.from_blocks(weights.lm_head)
         # per layer (qkv, o, gate_up, down) and for the head: the C matmul entries of each weight, checked once
         self._decode_weights: list[DecodeBlocks] = []
@@ -71,7 +76,7 @@ class CBackend:
         """``(longer chunks' entry, decode rows' entry)`` for weight w; the same entry twice until
         ``prepare_decode_rows`` makes the copy (``decode_copy``)."""
         entry = kernels.gemm_entry(w)
-        if not (decode_copy and self.decode_int8 and isinstance(w, BlockWeight)):
+        if not (decode_copy and self.decode_int8 and _int8(w)):
             return entry, entry
         self._decode_weights.append(DecodeBlocks.from_blocks(w))
         return entry, kernels.gemm_entry(self._decode_weights[-1])
@@ -100,7 +105,7 @@ class CBackend:
         """Every weight a decode step reads in full: the ``DecodeBlocks`` copies where decode rows use them."""
         out = self.weights.read_in_full()
         if self._decode_weights:  # they replace the blocks they copy
-            out = [t for t in out if not isinstance(t, BlockWeight)] + self._decode_weights
+            out = [t for t in out if not _int8(t)] + self._decode_weights
         return out
 
     def forward(self, b: Batch, all_logits: bool) -> torch.Tensor:
