@@ -44,7 +44,8 @@ MUTATIONS = {
     # a prefill started with a smaller context rejects with 400; without L2 the client gets decode's 5xx instead
     "propagation": (unsafe("propagation", prefill_max_context=5), {"I3"}),
     "tags": (unsafe("tags"), {"I1", "I6"}),  # a lost write leaves another tenant's KV in the page
-    "coverage": (unsafe("coverage"), {"I1"}),  # a short prompt leaves stale slots
+    # a short prompt leaves stale slots; the checksum (L5) covers them too, so it is off as well
+    "coverage": (unsafe("coverage,checksum"), {"I1"}),
     "checksum": (unsafe("checksum"), {"I1"}),  # corrupted bytes are decoded
     "deferred_release": (unsafe("deferred_release"), {"I2"}),  # pages reused while a write may land
     # with per-channel FIFO an Abort cannot overtake its Dest, so L7 is needed once messages may reorder
@@ -87,7 +88,8 @@ def test_propagation_off_is_also_caught_in_the_default_config():
 
 @pytest.mark.fast
 def test_incident_emulation_leaks_another_tenants_kv_once_its_defences_are_off():
-    cfg = unsafe("admission,coverage,tags", emulate_incident=True, faults=Faults(total=0))
+    # the checksum (L5) catches the placeholder too: the slots it never wrote do not match the pages' tag records
+    cfg = unsafe("admission,coverage,tags,checksum", emulate_incident=True, faults=Faults(total=0))
     res = explore(cfg, invariants=frozenset({"I1", "I6"}))
     assert res.violation is not None and res.violation.invariant == "I1", res.report()
     assert "tenant carol" in res.report()  # the placeholder left the other pages holding someone else's KV
