@@ -379,6 +379,8 @@ def _writes_to(ev: Event) -> tuple[str, ...]:
         return (DECODE,)
     if kind in ("timeout", "crash", "restart", "heartbeat"):
         return (ev[1],)
+    if kind == "tick":
+        return (ROUTER,)  # its last tick before time passes
     return ()
 
 
@@ -539,8 +541,10 @@ class World:
                 evs.append(("notice", worker))
             if node.down and (node.noticed or self.cfg.quick_restart):
                 evs.append(("restart", worker))
-            if self._fenced_and_silent(worker):
+            if self._heartbeat_due(worker):
                 evs.append(("heartbeat", worker))
+        if self._router_expired():
+            evs.append(("timeout", ROUTER))
         if self._next_deadline() is not None:
             evs.append(("tick",))
         evs += self._fault_events()
@@ -581,11 +585,14 @@ class World:
                     evs.append(("fence", worker))
         return evs
 
-    def _fenced_and_silent(self, worker: str) -> bool:
-        """Live, unknown to the router, and with nothing on its way between them: its next heartbeat is due (one
-        at a time, so that heartbeats do not pile up)."""
-        return (not self._node(worker).down and worker not in self.router.workers
-                and (worker, ROUTER) not in self.net and (ROUTER, worker) not in self.net)
+    def _heartbeat_due(self, worker: str) -> bool:
+        """A heartbeat that changes something: the worker is live, unknown to the router (fenced, or its Hello was
+        lost), or a prefill holding stale Peers (its Hello's digest makes the router send them again); and nothing
+        is on its way between them (one at a time, so that heartbeats do not pile up)."""
+        if self._node(worker).down or (worker, ROUTER) in self.net or (ROUTER, worker) in self.net:
+            return False
+        stale = worker == PREFILL and self.prefill.peers.digest() != self.router._peers().digest()
+        return worker not in self.router.workers or stale
 
     def _deliverable(self) -> Iterator[tuple[tuple[str, str], int, Message | Envelope]]:
         for chan, queue in sorted(self.net.items()):
@@ -623,11 +630,27 @@ class World:
             if self._expired(core):
                 return None  # handle what has expired first
             deadlines += [r.deadline for r in core.reqs.values() if r.state in TIMED]
+        if self._router_expired():
+            return None
+        deadlines += self._router_deadlines()
         if not deadlines:
             return None
         if self.cfg.timing == "bounded" and any(True for _ in self._deliverable()):
             return None
         return min(deadlines)
+
+    def _router_deadlines(self) -> list[float]:
+        """When each request's silence timeout can fire (the router ticks just before time passes, so a request
+        heard since then counts from now). A request being decoded is not silent: it speaks at every step."""
+        t = self.router.silence_timeout
+        decoding = () if self.decode.down else self.decode.engine
+        return [(self.now if r.heard or r.quiet_since is None else r.quiet_since) + t + 1
+                for r in self.router.reqs.values() if r.rid not in decoding]
+
+    def _router_expired(self) -> bool:
+        t = self.router.silence_timeout
+        return any(not r.heard and r.quiet_since is not None and self.now - r.quiet_since > t
+                   for r in self.router.reqs.values())
 
     def busy(self) -> bool:
         """Some request has not ended everywhere yet."""
@@ -753,7 +776,8 @@ class World:
             self._prefill().report(Computed(rid, error=ServiceUnavailable("KV transfer failed")))
         else:
             self._note(lambda: f"prefill runner: every write of {self._name(rid)} has landed ({_tokens(run.tokens)})")
-            self._prefill().report(Computed(rid, run.tokens, transfer_checksum(list(run.sums)), [(self._bit(rid), None)]))
+            checksum = transfer_checksum(list(run.sums))
+            self._prefill().report(Computed(rid, run.tokens, checksum, [(self._bit(rid), None)]))
 
     def _ev_step(self, rid: int) -> None:
         """One decode step of ``rid``: the engine checks its page table (always on), then reads its pages."""
@@ -773,13 +797,14 @@ class World:
             token |= self._bit(node.plane[g.page].rid)
         self._decode().outputs([self._decode_token(seq, token)])
 
-    def _ev_timeout(self, worker: str) -> None:
-        self._note(lambda: f"{worker}: timers fire at t={self.now}")
-        self._executor(worker).tick()
+    def _ev_timeout(self, who: str) -> None:
+        self._note(lambda: f"{who}: timers fire at t={self.now}")
+        (self._router() if who == ROUTER else self._executor(who)).tick()
 
     def _ev_tick(self) -> None:
         deadline = self._next_deadline()
         assert deadline is not None  # a tick is enabled only when there is one
+        self._router().tick()  # its last tick before time passes: the silence of what it heard counts from now
         self.now = deadline
         self._note(lambda: f"time passes: t={self.now}")
 
@@ -1137,6 +1162,10 @@ def _canon_object(obj, now: float) -> tuple:
         v = d[k]
         if k == "deadline":
             out.append(v - now if timed else None)
+        elif k == "quiet_since":  # the router's: relative, and moot once the request was heard since
+            out.append(None if v is None or d["heard"] else v - now)
+        elif k == "absent_since":
+            out.append(tuple((role, t - now) for role, t in v.items()))
         else:
             out.append(canon(v, now))
     return tuple(out)
