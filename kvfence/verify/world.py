@@ -2,12 +2,12 @@
 
 One ``World`` is one global state: a ``RouterCore``, a ``PrefillCore`` and a
 ``DecodeCore`` (with its ``PageTable``) exactly as production builds them,
-plus everything around them that the worker loops and the data plane would
-be: the control network, an abstract KV data plane, the prefill runner, the
-decode engine, the clients and a clock. ``events()`` lists what may happen
-next; ``apply()`` makes one of them happen by calling the cores the way the
-worker loops do (``workers/prefill.py``, ``workers/decode.py``,
-``router/remote.py``) and carrying out the actions they return.
+and the environment around them: the control network, an abstract KV data
+plane (``plane.py``), the prefill runner, the decode engine, the clients and
+a clock. ``events()`` lists what may happen next; ``apply()`` makes one of
+them happen through the production executors (``protocol/executor.py``, as
+the workers and the router run them), which this module plugs into its
+modelled network, runner, engine and clients.
 
 What is modelled, and how (docs/protocol.md has the full list):
 
@@ -16,9 +16,10 @@ What is modelled, and how (docs/protocol.md has the full list):
   only a channel's head can be delivered; with ``"any"`` every message can
   overtake every other. The environment may drop or duplicate any message
   (bounded), and delays are free: nothing forces a delivery.
-- **Time.** Abstract. ``tick`` jumps to the next deadline any core holds;
-  each worker then handles its expired timers as its own event. With
-  ``timing="bounded"`` time only passes while no message is in flight
+- **Time.** Abstract. ``tick`` jumps to the next deadline any core holds
+  (the router's silence timeouts included; it ticks just before time passes);
+  each worker, and the router, then handles its expired timers as its own
+  event. With ``timing="bounded"`` time only passes while no message is in flight
   (every message arrives within the shortest timeout, or is lost); with
   ``"async"`` timeouts may fire while messages are still on their way.
 - **Data plane.** A decode page holds a ``Label``: who wrote it last (its
@@ -28,6 +29,7 @@ What is modelled, and how (docs/protocol.md has the full list):
   may fail, lose, shorten or corrupt one (bounded). The prefill core hears
   ``computed``/``compute_failed`` only once its runner has nothing pending.
   The pool starts out holding a ghost request's KV: pages are never scrubbed.
+  Decode checks each landing with the real ``check_landing`` over the labels.
 - **Workers.** Either may crash at any step (bounded). A crash loses its
   inbox, its core, its runner or engine; a crashed prefill's writes may
   still land until the router notices the death. The router notices
