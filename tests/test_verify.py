@@ -44,7 +44,8 @@ MUTATIONS = {
     "admission": (unsafe("admission"), {"I3"}),  # an over-length request reaches the workers
     # a prefill started with a smaller context rejects with 400; without L2 the client gets decode's 5xx instead
     "propagation": (unsafe("propagation", prefill_max_context=5), {"I3"}),
-    "tags": (unsafe("tags"), {"I1", "I6"}),  # a lost write leaves another tenant's KV in the page
+    # a lost write leaves another tenant's KV in the page; the transfer checksum (L5) sees it too, so it is off as well
+    "tags": (unsafe("tags,checksum"), {"I1", "I6"}),
     # a short prompt leaves stale slots; the checksum (L5) covers them too, so it is off as well
     "coverage": (unsafe("coverage,checksum"), {"I1"}),
     "checksum": (unsafe("checksum"), {"I1"}),  # corrupted bytes are decoded
