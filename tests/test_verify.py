@@ -173,6 +173,14 @@ def test_a_lost_last_output_ends_with_the_routers_silence_timeout():
 
 
 @pytest.mark.slow
+def test_with_one_lost_message_every_run_still_ends():
+    """Every message of the default run may be the lost one: timeouts (the router's silence among them) and
+    heartbeats (a lost Hello, lost Peers) end every request; the checker finds no hang."""
+    res = explore(CheckConfig(faults=Faults(drop=1, dup=0, crash=0, disconnect=0, fail=0, lose=0, short=0, corrupt=0)))
+    assert res.ok and res.complete and res.quiescent > 0, res.report()
+
+
+@pytest.mark.slow
 def test_a_worker_declared_dead_while_it_runs_is_fenced_and_every_run_ends_clean():
     """The router fences a live worker (paused past --worker-timeout); it runs on, its writes may land, what it sends
     carries its old epoch. Every run ends with A answered once (retried where it had no token), no page reused while
