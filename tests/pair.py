@@ -1,9 +1,9 @@
 """A real prefill worker and a real decode worker in this process, with the router's core between them.
 
-Everything is production code: the workers' protocol cores, engines, KV pools, page tags and the shm data
-plane. Only the control messages are carried by hand (``pump``) instead of over ZeroMQ, so a test can
-order, hold and inspect them exactly, and hold data-plane writes in flight (``hold_writes``) to make a
-write land late.
+Everything is production code: the workers' protocol cores and executors, engines, KV pools, page tags and
+the shm data plane, and the router's core and executor. Only the control messages are carried by hand
+(``pump``) instead of over ZeroMQ, so a test can order, hold and inspect them exactly, and hold data-plane
+writes in flight (``hold_writes``) to make a write land late.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from collections import deque
 from concurrent.futures import Future
 
 from kvfence.core import KvfenceError, Request, SamplingParams
-from kvfence.protocol.actions import Action, Deliver, Send
+from kvfence.protocol.actions import Deliver
 from kvfence.protocol.capacity import DispatchLimits
+from kvfence.protocol.executor import RouterExecutor
 from kvfence.protocol.messages import Message, Output
 from kvfence.protocol.router import RouterCore
 from kvfence.safety import Safety
@@ -45,6 +46,16 @@ class Result:
         return self.error.status if self.error is not None else (200 if self.finish_reason else None)
 
 
+class Wire:
+    """One node's network in the pair: what it sends waits in ``Pair.inflight`` until ``pump`` carries it."""
+
+    def __init__(self, inflight: deque[tuple[str, str, Message]], me: str) -> None:
+        self.inflight, self.me, self.epoch = inflight, me, 0
+
+    def send(self, to: str, msg: Message) -> None:
+        self.inflight.append((self.me, to, msg))
+
+
 class Pair:
     def __init__(self, model: str, *, max_context: int, prefill_pool: int, decode_pool: int, page_size: int = 16,
                  emulate_incident: bool = False, dtype: str = "float32", step_tokens: int = 512,
@@ -58,13 +69,16 @@ class Pair:
         self.prefill = PrefillWorker(settings("prefill", prefill_pool))
         self.decode = DecodeWorker(settings("decode", decode_pool))
         self.router = RouterCore(ROUTER, max_context, Safety.from_env(), limits=limits)
-        self.nodes = {ROUTER: self.router, self.prefill.me: self.prefill, self.decode.me: self.decode}
         self.inflight: deque[tuple[str, str, Message]] = deque()  # (sender, to, msg)
+        self.executor = RouterExecutor(self.router, self, Wire(self.inflight, ROUTER), time.monotonic)
+        self.workers = {w.me: w for w in (self.prefill, self.decode)}
+        for worker in self.workers.values():
+            worker.executor.net = Wire(self.inflight, worker.me)
         self.results: dict[int, Result] = {}
         self.held: list[tuple[Future, object, list]] = []
         self.holding = False
         for worker in (self.decode, self.prefill):
-            self._route(ROUTER, self.router.worker_up(worker.hello()))
+            self.executor.run(self.router.worker_up(worker.hello()))
         self.pump()
 
     # -- clients ---------------------------------------------------------------------
@@ -72,12 +86,12 @@ class Pair:
     def submit(self, prompt: list[int], max_tokens: int = 8, tenant: str = "default") -> int:
         req = Request(prompt, SamplingParams(max_tokens, temperature=0.0, ignore_eos=True), tenant)
         self.results[req.rid] = Result()
-        self._route(ROUTER, self.router.submit(req))
+        self.executor.run(self.router.submit(req))
         return req.rid
 
     def client_gone(self, rid: int) -> None:
         self.results[rid].gone = True
-        self._route(ROUTER, self.router.client_gone(rid))
+        self.executor.run(self.router.client_gone(rid))
 
     # -- moving things ---------------------------------------------------------------
 
@@ -90,9 +104,9 @@ class Pair:
             self.inflight.remove(picked)
             sender, to, msg = picked
             if to == ROUTER:
-                self._route(to, self.router.handle(sender, msg))
+                self.executor.receive(sender, msg)
             else:
-                self._route(to, self.nodes[to].on_message(sender, msg, time.monotonic()))
+                self.workers[to].executor.receive(sender, msg)
 
     def run(self, rids: list[int] | None = None, timeout: float = 60) -> None:
         """Pump messages and step both workers until ``rids`` (default: every request) have ended."""
@@ -122,10 +136,9 @@ class Pair:
         """One round: deliver messages, then one step (and tick) of each worker."""
         self.pump()
         for worker in (self.prefill, self.decode):
-            now = time.monotonic()
             if worker.has_work():
-                self._route(worker.me, worker.step(now))
-            self._route(worker.me, worker.tick(now))
+                worker.step()
+            worker.executor.tick()
         self.pump()
 
     # -- the data plane ----------------------------------------------------------------
@@ -156,18 +169,9 @@ class Pair:
             self.prefill.initiator.write(peer, segments)
             future.set_result(None)
 
-    # -- internals -----------------------------------------------------------------------
+    # -- the clients (the router executor's) ---------------------------------------------
 
-    def _route(self, sender: str, actions: list[Action]) -> None:
-        for action in actions:
-            if isinstance(action, Send):
-                self.inflight.append((sender, action.to, action.msg))
-            elif isinstance(action, Deliver):
-                self._deliver(action)
-            else:
-                self._route(sender, self.nodes[sender].execute(action, time.monotonic()))
-
-    def _deliver(self, action: Deliver) -> None:
+    def deliver(self, action: Deliver) -> None:
         result = self.results.get(action.rid)
         assert result is not None and not result.ended, "a request ended twice, or after its client left"
         if action.error is not None:

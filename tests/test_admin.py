@@ -390,7 +390,7 @@ async def test_remote_engine_remembers_each_request_route_after_it_ended():
         first = asyncio.create_task(anext(outputs))
         while 7 not in engine.core.reqs:
             await asyncio.sleep(0)
-        engine._do(engine.core.handle("tcp://127.0.0.1:1001", Output(7, [5], "x", "stop", completion_tokens=1)))
+        engine.executor.receive("tcp://127.0.0.1:1001", Output(7, [5], "x", "stop", completion_tokens=1))
         assert (await first).finished
         await outputs.aclose()
         assert engine.route(7) == ("tcp://127.0.0.1:1002", "tcp://127.0.0.1:1001", 0)

@@ -1,5 +1,8 @@
 """The router's engine: an ``EngineClient`` that drives ``RouterCore`` over ZeroMQ on the event loop.
 
+The core's actions are carried out by a ``RouterExecutor`` (``protocol/executor.py``) against this
+class: ``send`` puts a message on the channel, ``deliver`` hands an output to its client's stream.
+
 Everything runs on the asyncio loop of the HTTP server, so the core needs no
 locks: HTTP handlers call ``generate``; one task receives worker messages;
 one task watches heartbeats: a worker silent for ``SUSPECT_S`` is suspected
@@ -25,9 +28,10 @@ from kvfence.channel import Channel
 from kvfence.cluster import ClusterKey
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.faults import Faults
-from kvfence.protocol.actions import Action, Deliver, Send
+from kvfence.protocol.actions import Deliver
 from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
-from kvfence.protocol.messages import Admit, Envelope, Hello
+from kvfence.protocol.executor import RouterExecutor
+from kvfence.protocol.messages import Admit, Envelope, Hello, Message
 from kvfence.protocol.router import RouterCore, WorkerInfo
 from kvfence.router.admin import RecentRoutes, Route
 from kvfence.safety import Safety
@@ -49,6 +53,7 @@ class RemoteEngine:
         self.me = self.channel.me
         self.model_name, self.max_context = model_name, max_context
         self.core = RouterCore(self.me, max_context, safety, silence_timeout, policy, limits)
+        self.executor = RouterExecutor(self.core, self, self, time.monotonic)
         self.expected_workers = expected_workers
         self.worker_timeout = worker_timeout
         self._sinks: dict[int, asyncio.Queue] = {}
@@ -67,7 +72,7 @@ class RemoteEngine:
         finished = False
         submitted = time.monotonic()
         try:
-            self._do(self.core.submit(request, submitted))
+            self.executor.run(self.core.submit(request, submitted))
             while not finished:
                 out: RequestOutput = await sink.get()
                 if out.error is not None:
@@ -82,7 +87,7 @@ class RemoteEngine:
             self._sinks.pop(request.rid, None)
             self._dispatched.pop(request.rid, None)
             if not finished:
-                self._do(self.core.client_gone(request.rid))
+                self.executor.run(self.core.client_gone(request.rid))
 
     def health(self) -> dict:
         """Status, in-flight figures (``transfers_in_flight``: requests in their handoff) and each worker's."""
@@ -124,7 +129,7 @@ class RemoteEngine:
         """Take ``worker`` out of rotation (kept across its restarts) or put it back; ``KeyError`` if unknown."""
         if worker not in self.core.workers and worker not in self.core.drained:
             raise KeyError(worker)
-        self._do(self.core.set_drained(worker, drained))
+        self.executor.run(self.core.set_drained(worker, drained))
 
     def route(self, rid: int) -> Route | None:
         """The pair a recent request was sent to last, with the decode worker's epoch; ``None`` if never sent."""
@@ -165,7 +170,7 @@ class RemoteEngine:
         silent for ``worker_timeout``: end or retry its requests now."""
         self._last_seen.pop(worker, None)
         self.channel.forget(worker)
-        self._do(self.core.worker_down(worker, fenced))
+        self.executor.run(self.core.worker_down(worker, fenced))
 
     async def _receive(self) -> None:
         """Handle worker messages as they come: the inbox's file descriptor wakes the loop (ZeroMQ signals it
@@ -193,13 +198,13 @@ class RemoteEngine:
         for env in envelopes:
             msg = env.msg
             joins = isinstance(msg, Hello) and msg.worker not in self.core.workers
-            self._do(self.core.handle(env.sender, msg, env.epoch))
+            self.executor.receive(env.sender, msg, env.epoch)
             if isinstance(msg, Hello) and msg.worker in self.core.workers:  # not a fenced one's
                 if joins:
                     log.info("%s worker %s joined", msg.role, msg.worker)
                 if msg.worker in self.core.suspected:
                     log.warning("worker %s speaks again after %.1fs", msg.worker, now - self._last_seen[msg.worker])
-                    self._do(self.core.set_suspected(msg.worker, False))
+                    self.executor.run(self.core.set_suspected(msg.worker, False))
                 self._last_seen[msg.worker] = now
 
     async def _watch(self) -> None:
@@ -208,7 +213,7 @@ class RemoteEngine:
             await asyncio.sleep(0.5)
             self._handle(self.channel.receive(0))  # judge silence on what has arrived, not on what is still unread
             now = time.monotonic()
-            self._do(self.core.tick(now))
+            self.executor.tick()
             for worker, seen in list(self._last_seen.items()):
                 if now - seen > self.worker_timeout:
                     log.error("worker %s silent for %.1fs: declaring it dead and fencing it", worker, now - seen)
@@ -216,18 +221,19 @@ class RemoteEngine:
                 elif now - seen > SUSPECT_S and worker not in self.core.suspected:
                     log.warning("worker %s silent for %.1fs: suspected, no new request goes to it", worker,
                                 now - seen)
-                    self._do(self.core.set_suspected(worker, True))
+                    self.executor.run(self.core.set_suspected(worker, True))
 
-    def _do(self, actions: list[Action]) -> None:
-        for action in actions:
-            if isinstance(action, Send):
-                if isinstance(action.msg, Admit):
-                    self._note_route(action.msg, action.to)
-                self.channel.send(action.to, action.msg)
-            elif isinstance(action, Deliver):
-                sink = self._sinks.get(action.rid)
-                if sink is not None:
-                    sink.put_nowait(_to_output(action))
+    # -- what the executor acts on ------------------------------------------------------
+
+    def send(self, to: str, msg: Message) -> None:
+        if isinstance(msg, Admit):
+            self._note_route(msg, to)
+        self.channel.send(to, msg)
+
+    def deliver(self, d: Deliver) -> None:
+        sink = self._sinks.get(d.rid)
+        if sink is not None:
+            sink.put_nowait(_to_output(d))
 
 
 def _to_output(action: Deliver) -> RequestOutput:

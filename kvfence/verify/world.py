@@ -2,12 +2,12 @@
 
 One ``World`` is one global state: a ``RouterCore``, a ``PrefillCore`` and a
 ``DecodeCore`` (with its ``PageTable``) exactly as production builds them,
-plus everything around them that the worker loops and the data plane would
-be: the control network, an abstract KV data plane, the prefill runner, the
-decode engine, the clients and a clock. ``events()`` lists what may happen
-next; ``apply()`` makes one of them happen by calling the cores the way the
-worker loops do (``workers/prefill.py``, ``workers/decode.py``,
-``router/remote.py``) and carrying out the actions they return.
+and the environment around them: the control network, an abstract KV data
+plane (``plane.py``), the prefill runner, the decode engine, the clients and
+a clock. ``events()`` lists what may happen next; ``apply()`` makes one of
+them happen through the production executors (``protocol/executor.py``, as
+the workers and the router run them), which this module plugs into its
+modelled network, runner, engine and clients.
 
 What is modelled, and how (docs/protocol.md has the full list):
 
@@ -16,9 +16,10 @@ What is modelled, and how (docs/protocol.md has the full list):
   only a channel's head can be delivered; with ``"any"`` every message can
   overtake every other. The environment may drop or duplicate any message
   (bounded), and delays are free: nothing forces a delivery.
-- **Time.** Abstract. ``tick`` jumps to the next deadline any core holds;
-  each worker then handles its expired timers as its own event. With
-  ``timing="bounded"`` time only passes while no message is in flight
+- **Time.** Abstract. ``tick`` jumps to the next deadline any core holds
+  (the router's silence timeouts included; it ticks just before time passes);
+  each worker, and the router, then handles its expired timers as its own
+  event. With ``timing="bounded"`` time only passes while no message is in flight
   (every message arrives within the shortest timeout, or is lost); with
   ``"async"`` timeouts may fire while messages are still on their way.
 - **Data plane.** A decode page holds a ``Label``: who wrote it last (its
@@ -28,6 +29,7 @@ What is modelled, and how (docs/protocol.md has the full list):
   may fail, lose, shorten or corrupt one (bounded). The prefill core hears
   ``computed``/``compute_failed`` only once its runner has nothing pending.
   The pool starts out holding a ghost request's KV: pages are never scrubbed.
+  Decode checks each landing with the real ``check_landing`` over the labels.
 - **Workers.** Either may crash at any step (bounded). A crash loses its
   inbox, its core, its runner or engine; a crashed prefill's writes may
   still land until the router notices the death. The router notices
@@ -59,15 +61,17 @@ import msgspec
 import numpy as np
 
 from kvfence.core import IntegrityError, Request, SamplingParams, ServiceUnavailable
-from kvfence.kvcache.layout import tokens_per_page
+from kvfence.kvcache.layout import tokens_per_page, transfer_checksum
 from kvfence.kvcache.pages import PageGrant, PageState, PageTable
-from kvfence.protocol.actions import Action, Deliver, Send, StartDecode, StartPrefill, StopDecode, StopPrefill
+from kvfence.protocol.actions import Deliver, Send, StartDecode, StartPrefill
 from kvfence.protocol.capacity import UNGATED, DispatchLimits, FairQueue, FairShares, QueuePolicy
 from kvfence.protocol.decode import DecodeCore, DecodeLimits, DState
-from kvfence.protocol.messages import Envelope, ErrorInfo, Fenced, Hello, Message, Output, Peers, Reject, WorkerDown
+from kvfence.protocol.executor import Computed, DecodeExecutor, PrefillExecutor, RouterExecutor
+from kvfence.protocol.messages import Envelope, ErrorInfo, Hello, Message, Output, Peers, Reject
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits, PState
 from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.safety import Safety
+from kvfence.verify.plane import ZEROS, Label, Write, landing_problem, page_sum
 
 ROUTER, PREFILL, DECODE = "router", "prefill-0", "decode-0"
 GHOST_RID, GHOST_TENANT = 99, "carol"  # whoever used the pool before the checked run began
@@ -187,32 +191,6 @@ class CheckConfig:
 # -- the abstract data plane, runner and engine ------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Label:
-    """What a decode page holds: its tag record (who wrote it last), and whether its bytes still match it."""
-
-    rid: int
-    epoch: int
-    page: int
-    tokens: int
-    corrupt: bool = False
-
-
-ZEROS = Label(0, 0, 0, 0)  # a fresh region
-
-
-@dataclass(frozen=True)
-class Write:
-    """One page of KV (and its tag) on its way into a decode pool."""
-
-    rid: int
-    page: int
-    epoch: int
-    tokens: int
-    target: int  # the decode incarnation whose pool it writes into
-    corrupt: bool = False
-
-
 @dataclass
 class Run:
     """The prefill runner's shipment of one request: writes still pending, and how it will end."""
@@ -221,6 +199,7 @@ class Run:
     tokens: int  # what it reports in Done
     pending: tuple[Write, ...]
     last_page: int  # where the prompt's last tokens go
+    sums: tuple[int, ...]  # each page's checksum, as its tag records it; Done reports their transfer checksum
     stopped: bool = False
     failed: bool = False
     short: bool = False
@@ -240,7 +219,7 @@ class Seq:
 @dataclass
 class PrefillNode:
     core: PrefillCore | None
-    decodes: dict[str, int]  # decode worker -> the incarnation its data-plane descriptor names (from Peers)
+    peers: Peers  # the decode workers' descriptors (each names its incarnation), as the router last sent them
     runs: dict[int, Run] = field(default_factory=dict)
     inc: int = 0
     down: bool = False
@@ -272,26 +251,85 @@ class DecodeNode:
 
 
 class PlaneVerifier:
-    """DecodeCore's ``verify``: ``kvcache.layout.check_landing`` over the modelled pool.
-
-    Tags (L3) and coverage (L4) as in production; the checksum (L5) sees only corruption, because a
-    Label stands for bytes without being them (a lost or short write is left to L3 and L4).
-    """
+    """DecodeCore's ``verify``: the real ``check_landing`` over the modelled pool (``plane.landing_problem``)."""
 
     def __init__(self, node: DecodeNode, safety: Safety, page_size: int) -> None:
         self.node, self.safety, self.page_size = node, safety, page_size
 
     def __call__(self, rid: int, grants: list[PageGrant], expected_tokens: int, checksum: int) -> str | None:
-        counts = tokens_per_page(expected_tokens, self.page_size, len(grants))
-        for g, tokens in zip(grants, counts, strict=True):
-            tag = self.node.plane[g.page]
-            if self.safety.tags and (tag.rid, tag.epoch, tag.page) != (rid, g.epoch, g.page):
-                return f"tags: page {g.page}: tag does not name this request and grant (epoch {g.epoch})"
-            if self.safety.coverage and tag.tokens != tokens:
-                return f"coverage: page {g.page}: {tag.tokens} tokens written, {tokens} expected"
-            if self.safety.checksum and tag.corrupt:
-                return f"checksum: page {g.page}: checksum mismatch"
-        return None
+        return landing_problem(self.node.plane, self.page_size, self.safety, rid, grants, expected_tokens, checksum)
+
+
+# -- the environment the executors act on (built per event: a world's parts are copied on write) -------------
+
+
+class _Net:
+    """A process's modelled network: what it sends goes into the world's channels, stamped with its epoch."""
+
+    def __init__(self, world: World, me: str) -> None:
+        self.world, self.me = world, me
+
+    @property
+    def epoch(self) -> int:
+        return 0 if self.me == ROUTER else self.world._node(self.me).epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.world._node(self.me).epoch = epoch
+
+    def send(self, to: str, msg: Message) -> None:
+        self.world._send(self.me, to, msg)
+
+
+class _Runner:
+    """Prefill's modelled runner: writes per page, which the environment lands (``finish`` reports them)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    @property
+    def peers(self) -> Peers:
+        return self.world.prefill.peers
+
+    @peers.setter
+    def peers(self, peers: Peers) -> None:
+        self.world.prefill.peers = peers
+
+    def start(self, start: StartPrefill) -> None:
+        self.world._start_prefill(start)
+
+    def stop(self, rid: int) -> None:
+        self.world._stop_prefill(rid)
+
+    def finished(self) -> list[Computed]:
+        return []  # a run ends as an event of its own (``finish``), once nothing of it is pending
+
+    def hello(self) -> Hello:
+        return self.world._hello(PREFILL)
+
+
+class _Engine:
+    """Decode's modelled engine."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def start(self, start: StartDecode) -> list[Output | Reject]:
+        return self.world._start_decode(start)
+
+    def stop(self, rid: int) -> None:
+        self.world._stop_decode(rid)
+
+    def hello(self) -> Hello:
+        return self.world._hello(DECODE)
+
+
+class _Clients:
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def deliver(self, d: Deliver) -> None:
+        self.world._deliver_to_client(d)
 
 
 # -- clients ------------------------------------------------------------------------------------
@@ -343,6 +381,8 @@ def _writes_to(ev: Event) -> tuple[str, ...]:
         return (DECODE,)
     if kind in ("timeout", "crash", "restart", "heartbeat"):
         return (ev[1],)
+    if kind == "tick":
+        return (ROUTER,)  # its last tick before time passes
     return ()
 
 
@@ -353,7 +393,7 @@ class World:
         # first come, first served: the fair order's token counters would tell apart states that behave alike
         self.router = RouterCore(ROUTER, cfg.max_context, cfg.safety, policy=QueuePolicy(scheduling="fcfs"),
                                  limits=DispatchLimits() if cfg.router_gate else UNGATED)
-        self.prefill = PrefillNode(self._new_prefill_core(), {})
+        self.prefill = PrefillNode(self._new_prefill_core(), Peers({}))
         self.decode = DecodeNode(None, ())
         self._boot_decode(ghost=True)
         self.net: dict[tuple[str, str], tuple[Message | Envelope, ...]] = {}
@@ -370,7 +410,7 @@ class World:
         for hello in (self._hello(PREFILL), self._hello(DECODE)):
             for action in self.router.worker_up(hello):  # Peers to the prefill, as on a real start
                 assert isinstance(action, Send) and isinstance(action.msg, Peers)
-                self.prefill.decodes = {w: d["incarnation"] for w, d in action.msg.decodes.items()}
+                self.prefill.peers = action.msg
 
     # -- building -------------------------------------------------------------------------
 
@@ -391,7 +431,8 @@ class World:
     def _hello(self, worker: str) -> Hello:
         c = self.cfg
         if worker == PREFILL:
-            return Hello(PREFILL, "prefill", PREFILL, {}, c.prefill_pool_tokens, c.prefill_context,
+            return Hello(PREFILL, "prefill", PREFILL, {"peers": self.prefill.peers.digest()}, c.prefill_pool_tokens,
+                         c.prefill_context,
                          pid=100 + self.prefill.inc)
         return Hello(DECODE, "decode", DECODE, {"incarnation": self.decode.inc}, c.pages * c.page_size,
                      c.max_context, free_pages=c.pages, pid=200 + self.decode.inc)
@@ -443,8 +484,9 @@ class World:
             self._core_key(ROUTER),
             self._core_key(PREFILL),
             self._core_key(DECODE),
-            (p.inc, p.down, p.noticed, p.epoch, tuple(sorted(p.decodes.items())),
-             tuple(sorted((rid, r.tokens, tuple(map(_wkey, r.pending)), r.last_page, r.stopped, r.failed, r.short)
+            (p.inc, p.down, p.noticed, p.epoch, p.peers.digest(),
+             tuple(sorted((rid, r.tokens, tuple(map(_wkey, r.pending)), r.last_page, r.sums, r.stopped, r.failed,
+                           r.short)
                           for rid, r in p.runs.items()))),
             (d.inc, d.down, d.noticed, d.epoch, tuple(map(_lkey, d.plane)),
              tuple(sorted((rid, tuple((g.page, g.epoch) for g in s.grants), s.produced)
@@ -501,8 +543,10 @@ class World:
                 evs.append(("notice", worker))
             if node.down and (node.noticed or self.cfg.quick_restart):
                 evs.append(("restart", worker))
-            if self._fenced_and_silent(worker):
+            if self._heartbeat_due(worker):
                 evs.append(("heartbeat", worker))
+        if self._router_expired():
+            evs.append(("timeout", ROUTER))
         if self._next_deadline() is not None:
             evs.append(("tick",))
         evs += self._fault_events()
@@ -543,11 +587,14 @@ class World:
                     evs.append(("fence", worker))
         return evs
 
-    def _fenced_and_silent(self, worker: str) -> bool:
-        """Live, unknown to the router, and with nothing on its way between them: its next heartbeat is due (one
-        at a time, so that heartbeats do not pile up)."""
-        return (not self._node(worker).down and worker not in self.router.workers
-                and (worker, ROUTER) not in self.net and (ROUTER, worker) not in self.net)
+    def _heartbeat_due(self, worker: str) -> bool:
+        """A heartbeat that changes something: the worker is live, unknown to the router (fenced, or its Hello was
+        lost), or a prefill holding stale Peers (its Hello's digest makes the router send them again); and nothing
+        is on its way between them (one at a time, so that heartbeats do not pile up)."""
+        if self._node(worker).down or (worker, ROUTER) in self.net or (ROUTER, worker) in self.net:
+            return False
+        stale = worker == PREFILL and self.prefill.peers.digest() != self.router._peers().digest()
+        return worker not in self.router.workers or stale
 
     def _deliverable(self) -> Iterator[tuple[tuple[str, str], int, Message | Envelope]]:
         for chan, queue in sorted(self.net.items()):
@@ -585,11 +632,27 @@ class World:
             if self._expired(core):
                 return None  # handle what has expired first
             deadlines += [r.deadline for r in core.reqs.values() if r.state in TIMED]
+        if self._router_expired():
+            return None
+        deadlines += self._router_deadlines()
         if not deadlines:
             return None
         if self.cfg.timing == "bounded" and any(True for _ in self._deliverable()):
             return None
         return min(deadlines)
+
+    def _router_deadlines(self) -> list[float]:
+        """When each request's silence timeout can fire (the router ticks just before time passes, so a request
+        heard since then counts from now). A request being decoded is not silent: it speaks at every step."""
+        t = self.router.silence_timeout
+        decoding = () if self.decode.down else self.decode.engine
+        return [(self.now if r.heard or r.quiet_since is None else r.quiet_since) + t + 1
+                for r in self.router.reqs.values() if r.rid not in decoding]
+
+    def _router_expired(self) -> bool:
+        t = self.router.silence_timeout
+        return any(not r.heard and r.quiet_since is not None and self.now - r.quiet_since > t
+                   for r in self.router.reqs.values())
 
     def busy(self) -> bool:
         """Some request has not ended everywhere yet."""
@@ -634,12 +697,12 @@ class World:
                            f"max_tokens {spec.max_tokens}{over}")
         prompt = [10 * rid + i for i in range(spec.prompt_len)]
         req = Request(prompt, SamplingParams(spec.max_tokens), spec.tenant, rid=rid)
-        self._router_do(self.router.submit(req, self.now))
+        self._router().run(self.router.submit(req, self.now))
 
     def _ev_disconnect(self, rid: int) -> None:
         self.clients[rid] = self.clients[rid]._replace(gone=True)
         self._note(lambda: f"client {self._name(rid)} disconnects")
-        self._router_do(self.router.client_gone(rid))
+        self._router().run(self.router.client_gone(rid))
 
     def _ev_deliver(self, chan: tuple[str, str], i: int) -> None:
         msg = self._take(chan, i)
@@ -650,23 +713,7 @@ class World:
             self._router_receive(src, msg.msg if isinstance(msg, Envelope) else msg, epoch)
             return
         assert not isinstance(msg, Envelope)  # only what goes to the router is stamped
-        if isinstance(msg, Fenced):
-            self._rejoin(dst, msg)
-        elif dst == PREFILL:
-            node = self.prefill
-            if isinstance(msg, Peers):
-                node.decodes = {w: d["incarnation"] for w, d in msg.decodes.items()}
-            elif isinstance(msg, WorkerDown):
-                node.decodes.pop(msg.worker, None)
-                self._prefill_do(node.live.peer_down(msg.worker))
-            else:
-                self._prefill_do(node.live.handle(src, msg, self.now))
-        else:
-            core = self.decode.live
-            if isinstance(msg, WorkerDown):
-                self._decode_do(core.peer_down(msg.worker, self.now, msg.fenced))
-            else:
-                self._decode_do(core.handle(src, msg, self.now))
+        self._executor(dst).receive(src, msg)
 
     def _ev_drop(self, chan: tuple[str, str], i: int) -> None:
         msg = self._take(chan, i)
@@ -693,7 +740,7 @@ class World:
                    f"{_tokens(w.tokens)}{', corrupted' if w.corrupt else ''})")
         run = self.prefill.runs.get(w.rid) if src == "run" else None
         if run is not None and run.pending:  # a chunk before the last: the runner reports progress
-            self._prefill_do(self.prefill.live.progress(w.rid, self.cfg.page_size))
+            self._prefill().progress(w.rid, self.cfg.page_size)
 
     def _ev_cancel(self, src: str, w: Write) -> None:
         self._remove_write(src, w)
@@ -718,6 +765,7 @@ class World:
         victim = next(w for w in run.pending if w.page == run.last_page)
         run.pending = tuple(replace(w, tokens=w.tokens - 1) if w is victim else w for w in run.pending)
         run.tokens -= 1
+        run.sums = run.sums[:-1] + (page_sum(rid, victim.page, victim.tokens - 1),)
         run.short = True
         left = _tokens(victim.tokens - 1)
         self._note(lambda: f"prefill runner bug: {self._name(rid)} is computed one token short "
@@ -725,13 +773,13 @@ class World:
 
     def _ev_finish(self, rid: int) -> None:
         run = self.prefill.runs.pop(rid)
-        core = self.prefill.live
         if run.failed:
             self._note(lambda: f"prefill runner: {self._name(rid)} ended with a data-plane error")
-            self._prefill_do(core.compute_failed(rid, ServiceUnavailable("KV transfer failed")))
+            self._prefill().report(Computed(rid, error=ServiceUnavailable("KV transfer failed")))
         else:
             self._note(lambda: f"prefill runner: every write of {self._name(rid)} has landed ({_tokens(run.tokens)})")
-            self._prefill_do(core.computed(rid, run.tokens, 0, self._bit(rid)))
+            checksum = transfer_checksum(list(run.sums))
+            self._prefill().report(Computed(rid, run.tokens, checksum, [(self._bit(rid), None)]))
 
     def _ev_step(self, rid: int) -> None:
         """One decode step of ``rid``: the engine checks its page table (always on), then reads its pages."""
@@ -743,24 +791,22 @@ class World:
             pages.quarantine(rid, [g for g in seq.grants if _held_by(pages, rid, g)], "tag mismatch")
             self._note(lambda: f"decode engine: {self._name(rid)}'s page table tags do not match; it fails")
             err = IntegrityError("KV cache verification failed for this request; no output was produced.")
-            self._decode_do(node.live.engine_output(Reject(rid, ErrorInfo.of(err)), self.now))
+            self._decode().outputs([Reject(rid, ErrorInfo.of(err))])
             return
         self._check_read(seq)
         token = self._bit(rid)
         for g in seq.grants:
             token |= self._bit(node.plane[g.page].rid)
-        self._decode_token(seq, token)
+        self._decode().outputs([self._decode_token(seq, token)])
 
-    def _ev_timeout(self, worker: str) -> None:
-        self._note(lambda: f"{worker}: timers fire at t={self.now}")
-        if worker == PREFILL:
-            self._prefill_do(self.prefill.live.tick(self.now))
-        else:
-            self._decode_do(self.decode.live.tick(self.now))
+    def _ev_timeout(self, who: str) -> None:
+        self._note(lambda: f"{who}: timers fire at t={self.now}")
+        (self._router() if who == ROUTER else self._executor(who)).tick()
 
     def _ev_tick(self) -> None:
         deadline = self._next_deadline()
         assert deadline is not None  # a tick is enabled only when there is one
+        self._router().tick()  # its last tick before time passes: the silence of what it heard counts from now
         self.now = deadline
         self._note(lambda: f"time passes: t={self.now}")
 
@@ -785,7 +831,7 @@ class World:
         if worker == PREFILL:
             self.zombies = ()  # the process is gone: nothing of it can still write
         self._note(lambda: f"router notices that {worker} died")
-        self._router_do(self.router.worker_down(worker))
+        self._router().run(self.router.worker_down(worker))
 
     def _ev_restart(self, worker: str) -> None:
         node = self._node(worker)
@@ -796,7 +842,7 @@ class World:
             self._note(lambda: f"(the router never notices that {worker} died)")
         node.down, node.inc, node.epoch = False, node.inc + 1, 0  # a new process holds no epoch yet
         if worker == PREFILL:
-            self.prefill.core, self.prefill.decodes, self.prefill.runs = self._new_prefill_core(), {}, {}
+            self.prefill.core, self.prefill.peers, self.prefill.runs = self._new_prefill_core(), Peers({}), {}
         else:
             self._boot_decode(ghost=False)
         self._note(lambda: f"{worker} restarts (incarnation {node.inc}) with a fresh core and says Hello")
@@ -807,23 +853,10 @@ class World:
         self.wire.pop((ROUTER, worker), None)
         self._note(lambda: f"router declares {worker} dead (it was paused past the worker timeout) and fences it; "
                            "it runs on")
-        self._router_do(self.router.worker_down(worker, fenced=True))
+        self._router().run(self.router.worker_down(worker, fenced=True))
 
     def _ev_heartbeat(self, worker: str) -> None:
         self._note(lambda: f"{worker} sends a heartbeat")
-        self._send(worker, ROUTER, self._hello(worker))
-
-    def _rejoin(self, worker: str, fenced: Fenced) -> None:
-        """As ``WorkerBase.rejoin``: drop everything held, then say Hello under the new epoch."""
-        node = self._node(worker)
-        if fenced.epoch <= node.epoch:
-            return
-        self._note(lambda: f"{worker} learns it was fenced: drops what it holds, rejoins under epoch {fenced.epoch}")
-        if worker == PREFILL:
-            self._prefill_do(self.prefill.live.drop_all())
-        else:
-            self._decode_do(self.decode.live.drop_all(self.now))
-        node.epoch = fenced.epoch
         self._send(worker, ROUTER, self._hello(worker))
 
     # -- carrying out actions, as the worker loops do ----------------------------------------
@@ -839,87 +872,67 @@ class World:
         actions = self.router.handle(src, msg, epoch)
         if stale and any(isinstance(a, Deliver) for a in actions):
             self._violate("I7", f"the router delivered to a client what {src} sent under its fenced epoch {epoch}")
-        self._router_do(actions)
+        self._router().run(actions)
 
-    def _router_do(self, actions: list[Action]) -> None:
-        for a in actions:
-            if isinstance(a, Send):
-                self._send(ROUTER, a.to, a.msg)
-            elif isinstance(a, Deliver):
-                self._deliver_to_client(a)
-            else:
-                raise TypeError(f"router cannot carry out {a!r}")
+    def _router(self) -> RouterExecutor:
+        return RouterExecutor(self.router, _Clients(self), _Net(self, ROUTER), self._clock)
 
-    def _prefill_do(self, actions: list[Action]) -> None:
-        while actions:
-            follow: list[Action] = []
-            for a in actions:
-                if isinstance(a, Send):
-                    self._send(PREFILL, a.to, a.msg)
-                elif isinstance(a, StartPrefill):
-                    follow += self._start_prefill(a)
-                elif isinstance(a, StopPrefill):
-                    run = self.prefill.runs.get(a.rid)
-                    if run is not None:
-                        run.stopped = True
-                    self._note(lambda a=a: f"prefill runner: stop {self._name(a.rid)}")
-                else:
-                    raise TypeError(f"prefill cannot carry out {a!r}")
-            actions = follow
+    def _prefill(self) -> PrefillExecutor:
+        return PrefillExecutor(self.prefill.live, _Runner(self), _Net(self, PREFILL), self._clock)
 
-    def _start_prefill(self, start: StartPrefill) -> list[Action]:
+    def _decode(self) -> DecodeExecutor:
+        return DecodeExecutor(self.decode.live, _Engine(self), _Net(self, DECODE), self._clock)
+
+    def _executor(self, worker: str) -> PrefillExecutor | DecodeExecutor:
+        return self._prefill() if worker == PREFILL else self._decode()
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _start_prefill(self, start: StartPrefill) -> None:
+        """The runner computes the prompt and issues one write per page (``_Runner.start``)."""
         node = self.prefill
-        target = node.decodes.get(start.decode)
-        if target is None or (target != self.decode.inc or self.decode.down):
+        target = node.peers.decodes[start.decode]["incarnation"]
+        if target != self.decode.inc or self.decode.down:
             self._note(lambda: f"prefill runner: cannot reach {start.decode}'s pool for {self._name(start.rid)}")
-            return node.live.compute_failed(start.rid, ServiceUnavailable("decode worker unreachable"))
+            raise ServiceUnavailable("decode worker unreachable")
         n, ps = len(start.prompt_ids), self.cfg.page_size
         local_pages = -(-n // ps)
         counts = tokens_per_page(n, ps, local_pages)
         writes = tuple(Write(start.rid, page, epoch, tokens, target)
                        for (page, epoch), tokens in zip(start.dest, counts, strict=False))
-        node.runs[start.rid] = Run(start.rid, n, writes, writes[-1].page if writes else -1)
+        node.runs[start.rid] = Run(start.rid, n, writes, writes[-1].page if writes else -1,
+                                    tuple(page_sum(w.rid, w.page, w.tokens) for w in writes))
         self._note(lambda: f"prefill runner: computes {self._name(start.rid)} ({_tokens(n)}) and issues writes "
                            f"to pages {[w.page for w in writes]}")
-        return []
 
-    def _decode_do(self, actions: list[Action]) -> None:
-        while actions:
-            follow: list[Action] = []
-            for a in actions:
-                if isinstance(a, Send):
-                    self._send(DECODE, a.to, a.msg)
-                elif isinstance(a, StartDecode):
-                    follow += self._start_decode(a)
-                elif isinstance(a, StopDecode):
-                    seq = self.decode.engine.pop(a.rid, None)
-                    if seq is not None:
-                        self.decode.live.pages.free(a.rid, list(seq.grants))
-                    self._note(lambda a=a: f"decode engine: drops {self._name(a.rid)} and frees its pages")
-                else:
-                    raise TypeError(f"decode cannot carry out {a!r}")
-            actions = follow
+    def _stop_prefill(self, rid: int) -> None:
+        run = self.prefill.runs.get(rid)
+        if run is not None:
+            run.stopped = True
+        self._note(lambda: f"prefill runner: stop {self._name(rid)}")
 
-    def _start_decode(self, a: StartDecode) -> list[Action]:
+    def _start_decode(self, a: StartDecode) -> list[Output | Reject]:
         seq = Seq(a.admit.rid, tuple(a.grants), len(a.admit.prompt_ids), a.admit.params.max_tokens)
         self.decode.engine[seq.rid] = seq
         self._note(lambda: f"decode engine: takes {self._name(seq.rid)} with pages {[g.page for g in a.grants]}")
-        return self._decode_token(seq, a.done.first_token, deliver=False)
+        return [self._decode_token(seq, a.done.first_token)]
 
-    def _decode_token(self, seq: Seq, token: int, deliver: bool = True) -> list[Action]:
+    def _stop_decode(self, rid: int) -> None:
+        seq = self.decode.engine.pop(rid, None)
+        if seq is not None:
+            self.decode.live.pages.free(rid, list(seq.grants))
+        self._note(lambda: f"decode engine: drops {self._name(rid)} and frees its pages")
+
+    def _decode_token(self, seq: Seq, token: int) -> Output:
         seq.produced += 1
         finished = seq.produced >= seq.max_tokens
         if finished:
             del self.decode.engine[seq.rid]
             self.decode.live.pages.free(seq.rid, list(seq.grants))
-        out = Output(seq.rid, [token], "", "length" if finished else None, seq.prompt_len, seq.produced)
         self._note(lambda: f"decode engine: {self._name(seq.rid)} token {seq.produced} = {self._token_name(token)}"
                    + (" (finished; pages freed)" if finished else ""))
-        actions = self.decode.live.engine_output(out, self.now)
-        if deliver:
-            self._decode_do(actions)
-            return []
-        return actions
+        return Output(seq.rid, [token], "", "length" if finished else None, seq.prompt_len, seq.produced)
 
     def _send(self, src: str, dst: str, msg: Message) -> None:
         self._note(lambda: f"  {src} -> {dst}: {self._fmt(msg)}")
@@ -1151,6 +1164,10 @@ def _canon_object(obj, now: float) -> tuple:
         v = d[k]
         if k == "deadline":
             out.append(v - now if timed else None)
+        elif k == "quiet_since":  # the router's: relative, and moot once the request was heard since
+            out.append(None if v is None or d["heard"] else v - now)
+        elif k == "absent_since":
+            out.append(tuple((role, t - now) for role, t in v.items()))
         else:
             out.append(canon(v, now))
     return tuple(out)
@@ -1241,7 +1258,6 @@ def _copy_shares(shares: FairShares) -> FairShares:
 
 def _copy_prefill(node: PrefillNode) -> PrefillNode:
     new = _copy_obj(node)
-    new.decodes = dict(node.decodes)
     new.runs = {k: _copy_obj(v) for k, v in node.runs.items()}
     if node.core is not None:
         new.core = _copy_obj(node.core)

@@ -1,10 +1,11 @@
 """What prefill and decode workers share: settings, model and pool setup, and the IO loop.
 
-The loop is the only place that touches sockets: it feeds received messages
-and timer ticks to the worker's protocol core, runs engine steps, and
-carries out the actions that come back. A ``Fenced`` from the router (it
-declared this worker dead while it was paused or stuck) makes the worker drop
-every request it holds and say Hello again under the new epoch.
+The loop is the only place that touches sockets: it hands received messages
+and timer ticks to the role's executor (``protocol/executor.py``), which feeds
+the protocol core and carries out the actions that come back, and runs engine
+steps. A ``Fenced`` from the router (it declared this worker dead while it was
+paused or stuck) makes the worker drop every request it holds and say Hello
+again under the new epoch (the executor does it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 import zmq
@@ -25,8 +25,8 @@ from kvfence.faults import Faults
 from kvfence.kvcache.layout import KVLayout
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import kernels
-from kvfence.protocol.actions import Action, Send
-from kvfence.protocol.messages import Fenced, Hello, Message, encode_message
+from kvfence.protocol.executor import DecodeExecutor, PrefillExecutor
+from kvfence.protocol.messages import Hello, encode_message
 from kvfence.safety import Safety
 from kvfence.workers.settings import WorkerSettings
 
@@ -99,32 +99,16 @@ class WorkerBase:
     def engine(self) -> Engine:
         raise NotImplementedError
 
+    @property
+    def executor(self) -> PrefillExecutor | DecodeExecutor:
+        """Feeds the role's protocol core and carries out its actions (``protocol/executor.py``)."""
+        raise NotImplementedError
+
     def hello(self) -> Hello:
         raise NotImplementedError
 
-    def on_message(self, sender: str, msg: Message, now: float) -> list[Action]:
-        raise NotImplementedError
-
-    def step(self, now: float) -> list[Action]:
-        raise NotImplementedError
-
-    def drop_all(self, now: float) -> list[Action]:
-        """End every request held, telling no client (the router ended them); pages go back under L6."""
-        raise NotImplementedError
-
-    def rejoin(self, fenced: Fenced, now: float) -> list[Action]:
-        """The router declared this worker dead under its current epoch: drop everything held, then say Hello under
-        ``fenced.epoch`` (a repeat for an epoch already left is ignored)."""
-        if fenced.epoch <= self.channel.epoch:
-            return []
-        actions = self.drop_all(now)
-        log.warning("%s worker %s: the router moved its membership epoch on (it declared this worker dead, or this "
-                    "process replaces one that died): dropped every request held, joining under epoch %d", self.role,
-                    self.me, fenced.epoch)
-        self.channel.epoch = fenced.epoch
-        return actions + [Send(self.settings.router, self.hello())]  # the heartbeat would, within HEARTBEAT_S
-
-    def tick(self, now: float) -> list[Action]:
+    def step(self) -> None:
+        """One engine step; what it produced goes to the core through the executor."""
         raise NotImplementedError
 
     def has_work(self) -> bool:
@@ -140,16 +124,9 @@ class WorkerBase:
 
         release_free_memory()
 
-    def execute(self, action: Action, now: float) -> list[Action]:
-        """Carry out one action; may return follow-up actions."""
-        if isinstance(action, Send):
-            self.channel.send(action.to, action.msg)
-            return []
-        raise TypeError(f"{self.role} worker cannot carry out {action!r}")
-
     # -- the loop -------------------------------------------------------------------
 
-    def run_forever(self, clock: Callable[[], float]) -> None:
+    def run_forever(self) -> None:
         banner = self.safety.banner()
         if banner:
             print(banner, file=sys.stderr, flush=True)
@@ -165,14 +142,12 @@ class WorkerBase:
         idle_since: float | None = None  # when the worker last ran out of work; None while it works
         tidied = False
         while not self.stop_requested:
-            now = clock()
+            now = time.monotonic()
             busy = self.has_work()
             for env in self.channel.receive(0 if busy else int(TICK_S * 1000)):
-                msg = env.msg
-                self._do(self.rejoin(msg, now) if isinstance(msg, Fenced) else self.on_message(env.sender, msg, now),
-                         now)
+                self.executor.receive(env.sender, env.msg)
             if self.has_work():
-                self._do(self.step(now), now)
+                self.step()
                 idle_since = None
             elif idle_since is None:
                 self.check_integrity()  # idle: every held page belongs to a live request
@@ -181,7 +156,7 @@ class WorkerBase:
                 self.tidy()
                 tidied = True
             if now >= next_tick:
-                self._do(self.tick(now), now)
+                self.executor.tick()
                 next_tick = now + TICK_S
             self._latest_hello = self.hello()
         log.info("%s worker %s stopping", self.role, self.me)
@@ -201,10 +176,3 @@ class WorkerBase:
             except zmq.Again:
                 pass
             time.sleep(HEARTBEAT_S)
-
-    def _do(self, actions: list[Action], now: float) -> None:
-        while actions:
-            follow = []
-            for action in actions:
-                follow += self.execute(action, now)
-            actions = follow

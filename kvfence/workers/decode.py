@@ -17,9 +17,10 @@ from kvfence.engine.engine import Engine
 from kvfence.faults import flip_one_byte
 from kvfence.kvcache.layout import check_landing
 from kvfence.kvcache.pages import PageGrant
-from kvfence.protocol.actions import Action, StartDecode, StopDecode
+from kvfence.protocol.actions import StartDecode
 from kvfence.protocol.decode import DecodeCore, DecodeLimits
-from kvfence.protocol.messages import ErrorInfo, Hello, Output, Reject, WorkerDown
+from kvfence.protocol.executor import DecodeExecutor
+from kvfence.protocol.messages import ErrorInfo, Hello, Output, Reject
 from kvfence.workers.common import WorkerBase, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,17 @@ class DecodeWorker(WorkerBase):
         limits = DecodeLimits(settings.max_context, settings.page_size, timeouts.handoff, abort_timeout=timeouts.abort,
                               page_wait_timeout=timeouts.wait, fair=settings.scheduling == "fair")
         self.core = DecodeCore(self.me, settings.router, self._engine.pages, limits, self.safety, self._verify)
+        self._executor = DecodeExecutor(self.core, self, self.channel, time.monotonic)
         self.verified: dict[int, str] = {}  # rid -> how its landing was verified, for its last Output
         self.flip_random = self.faults.rng("flip") if self.faults and self.faults.flip else None
 
     @property
     def engine(self) -> Engine:
         return self._engine
+
+    @property
+    def executor(self) -> DecodeExecutor:
+        return self._executor
 
     def close(self) -> None:
         super().close()
@@ -66,41 +72,25 @@ class DecodeWorker(WorkerBase):
                      backend=self.backend, prompt_tokens_computed=self._engine.prompt_tokens_computed,
                      safety_off=self.safety.disabled)
 
-    def on_message(self, sender: str, msg, now: float) -> list[Action]:
-        if isinstance(msg, WorkerDown):
-            return self.core.peer_down(msg.worker, now, msg.fenced)
-        return self.core.handle(sender, msg, now)
-
-    def step(self, now: float) -> list[Action]:
+    def step(self) -> None:
         self.set_threads(other_role_idle=not self.core.prefill_pending())
-        actions: list[Action] = []
         outputs = self._engine.step()
-        for out in outputs:
-            actions += self.core.engine_output(self.to_message(out), now)
+        self._executor.outputs([self.to_message(out) for out in outputs])
         if outputs and self.faults and self.faults.slow_step:
             time.sleep(self.faults.slow_step)
-        return actions
 
-    def tick(self, now: float) -> list[Action]:
-        return self.core.tick(now)
+    # -- DecodeEnv: what the executor acts on -------------------------------------------
 
-    def drop_all(self, now: float) -> list[Action]:
-        return self.core.drop_all(now)
+    def start(self, start: StartDecode) -> list[Output | Reject]:
+        a, done = start.admit, start.done
+        req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid, weight=a.weight)
+        self._engine.pool.from_host([g.page for g in start.grants])  # verified: what landed is what decodes
+        outs = self._engine.add_prefilled(req, start.grants, done.firsts(), done.prompt_logprobs, done.cached_tokens)
+        return [self.to_message(out) for out in outs]
 
-    def execute(self, action: Action, now: float) -> list[Action]:
-        if isinstance(action, StartDecode):
-            a = action.admit
-            req = Request(a.prompt_ids, a.params.to_sampling(), a.tenant, rid=a.rid, weight=a.weight)
-            self._engine.pool.from_host([g.page for g in action.grants])  # verified: what landed is what decodes
-            done = action.done
-            outs = self._engine.add_prefilled(req, action.grants, done.firsts(), done.prompt_logprobs,
-                                              done.cached_tokens)
-            return [a for out in outs for a in self.core.engine_output(self.to_message(out), now)]
-        if isinstance(action, StopDecode):
-            self._engine.abort(action.rid)
-            self.verified.pop(action.rid, None)
-            return []
-        return super().execute(action, now)
+    def stop(self, rid: int) -> None:
+        self._engine.abort(rid)
+        self.verified.pop(rid, None)
 
     def _verify(self, rid: int, grants: list[PageGrant], expected_tokens: int, checksum: int) -> str | None:
         s = self.safety

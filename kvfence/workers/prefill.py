@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
-from kvfence.core import KvfenceError, Request, ServiceUnavailable, TokenLogprob
+from kvfence.core import Request, ServiceUnavailable, TokenLogprob
 from kvfence.engine.engine import Engine
 from kvfence.engine.scheduler import Sequence, Work
 from kvfence.kvcache.layout import TAG_BYTES, KVLayout, tokens_per_page, transfer_checksum
-from kvfence.protocol.actions import Action, StartPrefill, StopPrefill
-from kvfence.protocol.messages import Hello, Peers, WorkerDown
+from kvfence.protocol.actions import StartPrefill
+from kvfence.protocol.executor import Computed, PrefillExecutor
+from kvfence.protocol.messages import Hello, Peers
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
 from kvfence.transfer.base import KVInitiator, PeerHandle, Segment
 from kvfence.workers.common import WorkerBase, WorkerSettings
@@ -189,12 +191,16 @@ class PrefillWorker(WorkerBase):
         limits = PrefillLimits(settings.max_context, settings.pool_tokens, settings.page_size, timeouts.wait,
                                orphan_dest_timeout=timeouts.orphan_dest)
         self.core = PrefillCore(self.me, settings.router, limits, self.safety, settings.emulate_incident)
-        self.decodes: dict[str, dict] = {}
-        self.peers_digest = Peers({}).digest()
+        self.peers = Peers({})  # the decode workers' data planes, as the router last sent them
+        self._executor = PrefillExecutor(self.core, self, self.channel, time.monotonic)
 
     @property
     def engine(self) -> Engine:
         return self.runner
+
+    @property
+    def executor(self) -> PrefillExecutor:
+        return self._executor
 
     def close(self) -> None:
         super().close()
@@ -204,7 +210,7 @@ class PrefillWorker(WorkerBase):
         sched = self.runner.scheduler
         queued = sum(s.req.prompt_len - s.num_computed for s in (*sched.waiting, *sched.running))
         pages, cache = self.runner.pages, self.runner.cache
-        return Hello(self.me, self.role, self.me, {"peers": self.peers_digest}, self.settings.pool_tokens,
+        return Hello(self.me, self.role, self.me, {"peers": self.peers.digest()}, self.settings.pool_tokens,
                      self.settings.max_context, free_pages=self.runner.free_pages, queued_tokens=queued,
                      running=len(sched.running), pid=os.getpid(), quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(),
@@ -213,45 +219,17 @@ class PrefillWorker(WorkerBase):
                      cached_pages=len(cache.entries) if cache else 0, cache_evictions=cache.evictions if cache else 0,
                      safety_off=self.safety.disabled)
 
-    def on_message(self, sender: str, msg, now: float) -> list[Action]:
-        if isinstance(msg, Peers):
-            self.decodes = dict(msg.decodes)
-            self.peers_digest = msg.digest()
-            return []
-        if isinstance(msg, WorkerDown):
-            self.decodes.pop(msg.worker, None)
-            self.peers_digest = Peers(self.decodes).digest()
-            return self.core.peer_down(msg.worker)
-        return self.core.handle(sender, msg, now)
-
-    def step(self, now: float) -> list[Action]:
+    def step(self) -> None:
         self.set_threads(other_role_idle=self.core.idle_pair())
-        actions: list[Action] = []
         if self.runner.has_work:
             self.runner.step()
             for rid, tokens in self.runner.progressed.items():
-                actions += self.core.progress(rid, tokens)
+                self._executor.progress(rid, tokens)
             self.runner.progressed.clear()
             self.runner.settle(SETTLE_S)
         else:  # only writes draining: wait for them a little instead of spinning on a shared core
             self.runner.settle(DRAIN_POLL_S)
-        return actions + self.collect()
-
-    def collect(self) -> list[Action]:
-        actions: list[Action] = []
-        for ship, tokens, err in self.runner.finished():
-            rid = ship.start.rid
-            if err is not None:
-                log.warning("request %032x: KV transfer to %s failed: %s", rid, ship.start.decode, err)
-                actions += self.core.compute_failed(rid, ServiceUnavailable(f"KV transfer failed: {err}"))
-            else:
-                (first, logprob), *more = ship.firsts or [(0, None)]
-                actions += self.core.computed(rid, tokens, transfer_checksum(ship.sums), first, logprob,
-                                             ship.prompt_logprobs, more, ship.cached)
-        if actions and not self.runner.draining:  # a shipment ended and none is in flight: the pages of decode's
-            self.initiator.trim()  # pool this process wrote stop counting in its RSS (the next write faults them back:
-            # ~1 ms per 5 MB, under 1% of the prefill that wrote them)
-        return actions
+        self._executor.collect()
 
     def has_work(self) -> bool:
         return self.runner.has_work or bool(self.runner.draining)
@@ -260,36 +238,35 @@ class PrefillWorker(WorkerBase):
         super().tidy()
         self.initiator.trim()  # decode's pool stops counting in this process's RSS until the next write
 
-    def tick(self, now: float) -> list[Action]:
-        return self.core.tick(now) + self.collect()
+    # -- PrefillEnv: what the executor acts on -------------------------------------------
 
-    def drop_all(self, now: float) -> list[Action]:
-        return self.core.drop_all()
-
-    def execute(self, action: Action, now: float) -> list[Action]:
-        if isinstance(action, StartPrefill):
-            return self._start(action)
-        if isinstance(action, StopPrefill):
-            self.runner.stop(action.rid)
-            return self.collect()
-        return super().execute(action, now)
-
-    def _start(self, start: StartPrefill) -> list[Action]:
+    def start(self, start: StartPrefill) -> None:
         req = start.msg
         assert req is not None  # the prefill core's StartPrefill carries the router's Prefill
         request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid,
                           weight=req.weight, cache_salt=req.cache_salt, public_tokens=req.public_tokens)
-        try:
-            descriptor = self.decodes[start.decode]
-            dest = dest_layout(self.runner.pool.layout, descriptor)
-            peer = self.initiator.connect(descriptor)
-            self.runner.start(start, request, peer, dest)
-        except KvfenceError as err:
-            return self.core.compute_failed(start.rid, err)
-        except Exception as exc:  # unknown decode, or its data plane unreachable
-            log.warning("request %032x: cannot reach decode %s: %s", start.rid, start.decode, exc)
-            return self.core.compute_failed(start.rid, ServiceUnavailable(f"decode worker unreachable: {exc}"))
-        return []
+        descriptor = self.peers.decodes[start.decode]
+        dest = dest_layout(self.runner.pool.layout, descriptor)
+        peer = self.initiator.connect(descriptor)
+        self.runner.start(start, request, peer, dest)
+
+    def stop(self, rid: int) -> None:
+        self.runner.stop(rid)
+
+    def finished(self) -> list[Computed]:
+        done: list[Computed] = []
+        for ship, tokens, err in self.runner.finished():
+            rid = ship.start.rid
+            if err is not None:
+                log.warning("request %032x: KV transfer to %s failed: %s", rid, ship.start.decode, err)
+                done.append(Computed(rid, error=ServiceUnavailable(f"KV transfer failed: {err}")))
+            else:
+                done.append(Computed(rid, tokens, transfer_checksum(ship.sums), ship.firsts or [(0, None)],
+                                     ship.prompt_logprobs, ship.cached))
+        if done and not self.runner.draining:  # a shipment ended and none is in flight: the pages of decode's
+            self.initiator.trim()  # pool this process wrote stop counting in its RSS (the next write faults them back:
+            # ~1 ms per 5 MB, under 1% of the prefill that wrote them)
+        return done
 
 
 def dest_layout(local: KVLayout, descriptor: dict) -> KVLayout:

@@ -67,7 +67,7 @@ def run_worker(settings: WorkerSettings, supervised: bool = True) -> None:
     worker = Worker(settings)
     try:
         stop.forward_to(worker.request_stop)
-        worker.run_forever(time.monotonic)
+        worker.run_forever()
     finally:
         worker.close()
 
