@@ -59,12 +59,25 @@ import msgspec
 import numpy as np
 
 from kvfence.core import IntegrityError, Request, SamplingParams, ServiceUnavailable
+from kvfence.descriptors import ShmDescriptor
 from kvfence.kvcache.layout import tokens_per_page
 from kvfence.kvcache.pages import PageGrant, PageState, PageTable
 from kvfence.protocol.actions import Action, Deliver, Send, StartDecode, StartPrefill, StopDecode, StopPrefill
 from kvfence.protocol.capacity import UNGATED, DispatchLimits, FairQueue, FairShares, QueuePolicy
 from kvfence.protocol.decode import DecodeCore, DecodeLimits, DState
-from kvfence.protocol.messages import Envelope, ErrorInfo, Fenced, Hello, Message, Output, Peers, Reject, WorkerDown
+from kvfence.protocol.messages import (
+    DecodeSide,
+    Envelope,
+    ErrorInfo,
+    Fenced,
+    Hello,
+    Message,
+    Output,
+    Peers,
+    PrefillSide,
+    Reject,
+    WorkerDown,
+)
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits, PState
 from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.safety import Safety
@@ -326,6 +339,18 @@ _TOUCHES_ROUTER = frozenset({"submit", "disconnect", "notice", "fence"})
 _TOUCHES_WORKER = frozenset({"timeout", "crash", "restart"})
 
 
+def _target(inc: int) -> ShmDescriptor:
+    """The modelled decode's KV target in incarnation ``inc``: a region its process (pid 200 + inc) owns, so a
+    restarted decode names another one."""
+    return ShmDescriptor(nbytes=0, path=DECODE, pid=200 + inc)
+
+
+def _incarnation(side: DecodeSide) -> int:
+    """The decode incarnation whose target ``side`` names (``_target``'s inverse)."""
+    assert isinstance(side.target, ShmDescriptor)  # the model's targets are ``_target``'s
+    return side.target.pid - 200
+
+
 def _writes_to(ev: Event) -> tuple[str, ...]:
     """The parts of a world that an event may change, besides net, clients and budgets (copied always)."""
     kind = ev[0]
@@ -370,7 +395,7 @@ class World:
         for hello in (self._hello(PREFILL), self._hello(DECODE)):
             for action in self.router.worker_up(hello):  # Peers to the prefill, as on a real start
                 assert isinstance(action, Send) and isinstance(action.msg, Peers)
-                self.prefill.decodes = {w: d["incarnation"] for w, d in action.msg.decodes.items()}
+                self.prefill.decodes = {w: _incarnation(d) for w, d in action.msg.decodes.items()}
 
     # -- building -------------------------------------------------------------------------
 
@@ -391,9 +416,9 @@ class World:
     def _hello(self, worker: str) -> Hello:
         c = self.cfg
         if worker == PREFILL:
-            return Hello(PREFILL, "prefill", PREFILL, {}, c.prefill_pool_tokens, c.prefill_context,
+            return Hello(PREFILL, PREFILL, PrefillSide(""), c.prefill_pool_tokens, c.prefill_context,
                          pid=100 + self.prefill.inc)
-        return Hello(DECODE, "decode", DECODE, {"incarnation": self.decode.inc}, c.pages * c.page_size,
+        return Hello(DECODE, DECODE, DecodeSide(_target(self.decode.inc), c.pages), c.pages * c.page_size,
                      c.max_context, free_pages=c.pages, pid=200 + self.decode.inc)
 
     def clone(self) -> World:
@@ -655,7 +680,7 @@ class World:
         elif dst == PREFILL:
             node = self.prefill
             if isinstance(msg, Peers):
-                node.decodes = {w: d["incarnation"] for w, d in msg.decodes.items()}
+                node.decodes = {w: _incarnation(d) for w, d in msg.decodes.items()}
             elif isinstance(msg, WorkerDown):
                 node.decodes.pop(msg.worker, None)
                 self._prefill_do(node.live.peer_down(msg.worker))
@@ -1185,7 +1210,7 @@ def fmt(msg: Message, names: dict[int, str] | None = None) -> str:
     fields = msgspec.structs.asdict(msg)
     parts = []
     for k, v in fields.items():
-        if k in ("params", "text", "prompt_tokens", "completion_tokens", "control", "data", "queued_tokens",
+        if k in ("params", "text", "prompt_tokens", "completion_tokens", "control", "side", "queued_tokens",
                  "running", "free_pages", "max_context", "pool_tokens", "pid", "weight") and name != "Peers":
             continue
         if k == "rid":

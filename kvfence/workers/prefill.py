@@ -23,7 +23,7 @@ from kvfence.engine.engine import Engine
 from kvfence.engine.scheduler import Sequence, Work
 from kvfence.kvcache.layout import TAG_BYTES, KVLayout, tokens_per_page, transfer_checksum
 from kvfence.protocol.actions import Action, StartPrefill, StopPrefill
-from kvfence.protocol.messages import Hello, Peers, WorkerDown
+from kvfence.protocol.messages import DecodeSide, Hello, Peers, PrefillSide, WorkerDown
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
 from kvfence.transfer.base import KVInitiator, PeerHandle, Segment
 from kvfence.workers.common import WorkerBase, WorkerSettings
@@ -189,7 +189,7 @@ class PrefillWorker(WorkerBase):
         limits = PrefillLimits(settings.max_context, settings.pool_tokens, settings.page_size, timeouts.wait,
                                orphan_dest_timeout=timeouts.orphan_dest)
         self.core = PrefillCore(self.me, settings.router, limits, self.safety, settings.emulate_incident)
-        self.decodes: dict[str, dict] = {}
+        self.decodes: dict[str, DecodeSide] = {}
         self.peers_digest = Peers({}).digest()
 
     @property
@@ -204,7 +204,7 @@ class PrefillWorker(WorkerBase):
         sched = self.runner.scheduler
         queued = sum(s.req.prompt_len - s.num_computed for s in (*sched.waiting, *sched.running))
         pages, cache = self.runner.pages, self.runner.cache
-        return Hello(self.me, self.role, self.me, {"peers": self.peers_digest}, self.settings.pool_tokens,
+        return Hello(self.me, self.me, PrefillSide(self.peers_digest), self.settings.pool_tokens,
                      self.settings.max_context, free_pages=self.runner.free_pages, queued_tokens=queued,
                      running=len(sched.running), pid=os.getpid(), quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(),
@@ -280,9 +280,9 @@ class PrefillWorker(WorkerBase):
         request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid,
                           weight=req.weight, cache_salt=req.cache_salt, public_tokens=req.public_tokens)
         try:
-            descriptor = self.decodes[start.decode]
-            dest = dest_layout(self.runner.pool.layout, descriptor)
-            peer = self.initiator.connect(descriptor)
+            decode = self.decodes[start.decode]
+            dest = dest_layout(self.runner.pool.layout, decode)
+            peer = self.initiator.connect(decode.target)
             self.runner.start(start, request, peer, dest)
         except KvfenceError as err:
             return self.core.compute_failed(start.rid, err)
@@ -292,11 +292,11 @@ class PrefillWorker(WorkerBase):
         return []
 
 
-def dest_layout(local: KVLayout, descriptor: dict) -> KVLayout:
-    """The layout of the decode pool ``descriptor`` names: ours, with its page count; its size must agree."""
-    dest = replace(local, num_pages=int(descriptor["kv_pages"]))
-    if dest.nbytes != int(descriptor["nbytes"]):
-        raise ServiceUnavailable(f"decode KV region is {descriptor['nbytes']} bytes, {dest.nbytes} expected: "
+def dest_layout(local: KVLayout, decode: DecodeSide) -> KVLayout:
+    """The layout of the pool ``decode`` names: ours, with its page count; its size must agree."""
+    dest = replace(local, num_pages=decode.kv_pages)
+    if dest.nbytes != decode.target.nbytes:
+        raise ServiceUnavailable(f"decode KV region is {decode.target.nbytes} bytes, {dest.nbytes} expected: "
                                  "prefill and decode must serve the same model, dtype and page size")
     return dest
 
