@@ -126,6 +126,13 @@ class EngineConfig:
         return -(-tokens // self.page_size)
 
 
+ABORT_SHARE = 3  # the abort timeout is the handoff timeout over this ...
+ABORT_CAP_S = 10.0  # ... and this at most: an AbortAck answers at once unless a write is stuck in flight
+ORPHAN_DEST_SHARE = 6  # the orphan-Dest timeout is the handoff timeout over this ...
+ORPHAN_DEST_CAP_S = 5.0  # ... and this at most: a Prefill and its Dest are sent together, so one comes soon after
+SILENCE_HANDOFFS = 4  # the router's silence timeout is this many handoff timeouts: beyond any handoff's own end
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """The protocol's timeouts in seconds, all derived from one setting (``--handoff-timeout``).
@@ -141,15 +148,15 @@ class Timeouts:
 
     @property
     def abort(self) -> float:
-        return min(10.0, self.handoff / 3)
+        return min(ABORT_CAP_S, self.handoff / ABORT_SHARE)
 
     @property
     def orphan_dest(self) -> float:
-        return min(5.0, self.handoff / 6)
+        return min(ORPHAN_DEST_CAP_S, self.handoff / ORPHAN_DEST_SHARE)
 
     @property
     def silence(self) -> float:
-        return 4 * self.handoff
+        return SILENCE_HANDOFFS * self.handoff
 
     @property
     def wait(self) -> float:

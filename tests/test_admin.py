@@ -28,6 +28,7 @@ from kvfence.router.tenants import TenantConfigError, Tenants
 from kvfence.safety import Safety
 from kvfence.workers.supervisor import free_tcp_address
 from tests.server import Server
+from tests.sides import side
 from tests.test_http import KEYS, MODEL, FakeEngine, FakeTokenizer, assert_error, chat_body
 from tests.tiny_models import tiny_model_dir
 
@@ -284,7 +285,7 @@ async def test_a_request_in_flight_on_a_drained_engine_finishes_normally():
 
 
 def hello(worker: str, role: str, free: int = 10) -> Hello:
-    return Hello(worker, role, worker, {}, 1000, 64, free_pages=free)
+    return Hello(worker, worker, side(role), 1000, 64, free_pages=free)
 
 
 def core_with(*workers: tuple[str, str]) -> RouterCore:

@@ -19,6 +19,7 @@ from kvfence.router.queued import QueuedEngine
 from kvfence.router.tenants import TenantConfigError, Tenants
 from kvfence.safety import Safety
 from tests.server import async_wait_until
+from tests.sides import side, target
 from tests.test_http import KEYS, FakeEngine, chat_body, make_app
 
 pytestmark = pytest.mark.fast
@@ -50,13 +51,13 @@ def core(pages: int = 8, backlog: int | None = 1024, policy: QueuePolicy | None 
     """One prefill and one decode worker; decode has ``pages`` pages of 16 tokens."""
     c = RouterCore(R, max_context=4096, safety=Safety(), silence_timeout=silence, policy=policy,
                    limits=DispatchLimits(prefill_backlog_tokens=backlog, output_reserve_tokens=512, worker_grace=grace))
-    c.worker_up(Hello(P, "prefill", "tcp://p", {}, 4096, 4096))
+    c.worker_up(Hello(P, "tcp://p", side("prefill"), 4096, 4096))
     c.worker_up(decode_hello(pages))
     return c
 
 
 def decode_hello(pages: int, pid: int = 0) -> Hello:
-    return Hello(D, "decode", "tcp://d", {}, pages * 16, 4096, free_pages=pages, total_pages=pages, pid=pid)
+    return Hello(D, "tcp://d", side("decode"), pages * 16, 4096, free_pages=pages, total_pages=pages, pid=pid)
 
 
 def finish(rid: int, tokens: int = 1) -> Output:
@@ -158,7 +159,7 @@ def test_draining_every_worker_of_a_role_fails_the_queue_with_503_and_undraining
 
 def test_a_request_larger_than_every_pool_in_rotation_is_503_and_never_blocks_the_queue():
     c = core(pages=8)
-    c.worker_up(Hello("decode-big", "decode", "tcp://b", {}, 4096, 4096, free_pages=256, total_pages=256))
+    c.worker_up(Hello("decode-big", "tcp://b", target("big"), 4096, 4096, free_pages=256, total_pages=256))
     c.set_drained("decode-big", True)
     [out] = c.submit(req(1, n=200, max_tokens=100))
     assert isinstance(out.error, ServiceUnavailable)

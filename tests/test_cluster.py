@@ -30,6 +30,7 @@ from kvfence.router.remote import RemoteEngine
 from kvfence.safety import Safety
 from kvfence.workers.supervisor import free_tcp_address
 from tests.server import ROOT
+from tests.sides import side
 
 # ---------------------------------------------------------------------------- the key file
 
@@ -187,8 +188,7 @@ def receive_for(channel: Channel, seconds: float) -> list:
 
 
 def hello(worker: str, role: str) -> Hello:
-    return Hello(worker, role, worker, {"peers": ""} if role == "prefill" else {"kv_pages": 1}, 4096, 4096,
-                 free_pages=256, total_pages=256)
+    return Hello(worker, worker, side(role), 4096, 4096, free_pages=256, total_pages=256)
 
 
 def rogue_sockets(ctx: zmq.Context, to: str, key: ClusterKey) -> dict[str, zmq.Socket]:
@@ -345,7 +345,7 @@ def test_forged_hello_done_output_and_reject_from_outsiders_have_no_effect():
         assert any(env.msg.rid == rid for env in receive_for(decode, 1.0) if hasattr(env.msg, "rid"))  # Admit
         to_router = rogue_sockets(ctx, router.address, key)
         to_decode = rogue_sockets(ctx, decode.me, key)
-        forged = [Hello("tcp://127.0.0.1:9", "prefill", "tcp://127.0.0.1:9", {"peers": ""}, 4096, 4096),
+        forged = [Hello("tcp://127.0.0.1:9", "tcp://127.0.0.1:9", side("prefill"), 4096, 4096),
                   Output(rid, [666], "FORGED", finish_reason="stop", completion_tokens=1),
                   Reject(rid, ErrorInfo(400, "invalid_request_error", "FORGED"), decode.me)]
         for _ in range(20):
@@ -460,11 +460,11 @@ def test_mooncake_lets_any_process_that_reaches_it_read_and_write_a_limit_kvfenc
     rogue, region = TransferEngine(), Region.anonymous(1 << 20)
     try:
         target.fill(0x5A)
-        session = target.descriptor["session"]
+        session = target.descriptor.session
         assert rogue.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert rogue.register_memory(region.address, region.nbytes) == 0
         base = rogue.get_first_buffer_address(session)  # handed out to anyone who asks
-        assert base == target.descriptor["base"]
+        assert base == target.descriptor.base
         assert rogue.transfer_sync_read(session, region.address, base, 4096) == 0
         assert bytes(region.buffer[:4096]) == b"\x5a" * 4096
         region.buffer[:4096] = b"\x66" * 4096

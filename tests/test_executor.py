@@ -24,6 +24,7 @@ from kvfence.protocol.messages import (
 )
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
 from kvfence.safety import Safety
+from tests.sides import side, target
 
 pytestmark = pytest.mark.fast
 
@@ -46,7 +47,7 @@ class Env:
         self.sent.append((to, msg))
 
     def hello(self) -> Hello:
-        return Hello(self.me, "prefill", self.me, {}, 64, 64)
+        return Hello(self.me, self.me, side("prefill"), 64, 64)
 
     def start(self, start: StartPrefill | StartDecode) -> list[Output | Reject]:
         self.started.append(start)
@@ -68,7 +69,7 @@ def prefill() -> tuple[PrefillExecutor, Env]:
 
 def test_prefill_starts_only_towards_a_decode_it_still_knows():
     ex, env = prefill()
-    ex.receive(R, Peers({D: {"kv_pages": 4}}))
+    ex.receive(R, Peers({D: target()}))
     ex.receive(D, WorkerDown(D))  # forgotten before the core hears of the death
     assert env.peers.decodes == {}
     ex.receive(R, Prefill(RID, "t", [1, 2, 3], Params(2), "decode-1"))
@@ -78,7 +79,7 @@ def test_prefill_starts_only_towards_a_decode_it_still_knows():
 
 def test_prefill_reports_what_the_runner_finished_and_stops_on_request():
     ex, env = prefill()
-    ex.receive(R, Peers({D: {"kv_pages": 4}}))
+    ex.receive(R, Peers({D: target()}))
     ex.receive(R, Prefill(RID, "t", [1, 2, 3], Params(2), D))
     ex.receive(D, Dest(RID, [(0, 1)], 3))
     assert [type(s) for s in env.started] == [StartPrefill]
@@ -89,7 +90,7 @@ def test_prefill_reports_what_the_runner_finished_and_stops_on_request():
 
 def test_fenced_drops_everything_then_says_hello_under_the_new_epoch_once():
     ex, env = prefill()
-    ex.receive(R, Peers({D: {"kv_pages": 4}}))
+    ex.receive(R, Peers({D: target()}))
     ex.receive(R, Prefill(RID, "t", [1, 2, 3], Params(2), D))
     ex.receive(D, Dest(RID, [(0, 1)], 3))
     ex.receive(R, Fenced(2))

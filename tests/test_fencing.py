@@ -25,13 +25,14 @@ from kvfence.protocol.messages import (
     WorkerDown,
 )
 from kvfence.protocol.router import RouterCore, retry_rid
+from tests.sides import side
 from tests.test_protocol import RID, SAFE, D, P, R, admit, decode_core, prefill, prefill_core, unsafe
 
 pytestmark = pytest.mark.fast
 
 
 def hello(worker: str, role: str, pid: int = 0) -> Hello:
-    return Hello(worker, role, "tcp://x", {}, 1000, 64, free_pages=100, total_pages=100, pid=pid)
+    return Hello(worker, "tcp://x", side(role), 1000, 64, free_pages=100, total_pages=100, pid=pid)
 
 
 def two_pairs() -> RouterCore:

@@ -21,6 +21,7 @@ from kvfence.protocol.messages import (
     Params,
     Peers,
     Prefill,
+    PrefillSide,
     Progress,
     Reject,
     WorkerDown,
@@ -30,6 +31,7 @@ from kvfence.protocol.messages import (
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
 from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.safety import Safety
+from tests.sides import side, target
 
 pytestmark = pytest.mark.fast
 
@@ -304,7 +306,7 @@ def test_prefill_wrong_dest_length_is_refused():
 
 
 def hello(worker: str, role: str, pool: int = 1000, free: int = 10, queued: int = 0) -> Hello:
-    return Hello(worker, role, "tcp://x", {}, pool, 64, free_pages=free, queued_tokens=queued)
+    return Hello(worker, "tcp://x", side(role), pool, 64, free_pages=free, queued_tokens=queued)
 
 
 def router_core(safety: Safety = SAFE) -> RouterCore:
@@ -347,19 +349,19 @@ def test_router_tells_prefills_about_decode_targets_first():
     core = RouterCore(R, max_context=64, safety=SAFE)
     assert core.worker_up(hello(D, "decode")) == []
     out = core.worker_up(hello(P, "prefill"))
-    assert out == [Send(P, Peers({D: {}}))]
-    holding = Hello(P, "prefill", "tcp://x", {"peers": Peers({D: {}}).digest()}, 1000, 64)
+    assert out == [Send(P, Peers({D: target()}))]
+    holding = Hello(P, "tcp://x", PrefillSide(Peers({D: target()}).digest()), 1000, 64)
     assert core.worker_up(holding) == []  # heartbeat of a prefill that holds the Peers: nothing new
-    h = Hello("decode-1", "decode", "tcp://y", {"shm": "x"}, 100, 64)
-    assert core.worker_up(h) == [Send(P, Peers({D: {}, "decode-1": {"shm": "x"}}))]
+    h = Hello("decode-1", "tcp://y", target("x"), 100, 64)
+    assert core.worker_up(h) == [Send(P, Peers({D: target(), "decode-1": target("x")}))]
 
 
 def test_router_sends_the_peers_again_to_a_prefill_whose_heartbeat_shows_it_missed_them():
     core = RouterCore(R, max_context=64, safety=SAFE)
     core.worker_up(hello(D, "decode"))
     core.worker_up(hello(P, "prefill"))  # this Peers is lost
-    stale = Hello(P, "prefill", "tcp://x", {"peers": Peers({}).digest()}, 1000, 64)
-    assert core.worker_up(stale) == [Send(P, Peers({D: {}}))]
+    stale = Hello(P, "tcp://x", PrefillSide(Peers({}).digest()), 1000, 64)
+    assert core.worker_up(stale) == [Send(P, Peers({D: target()}))]
 
 
 def test_router_delivers_each_output_once_in_order_and_a_gap_ends_the_request_with_503():
@@ -400,7 +402,7 @@ def test_router_spreads_a_burst_between_heartbeats_over_decode_workers():
     core = RouterCore(R, max_context=4096, safety=SAFE)
 
     def decode_hello(worker: str, free: int) -> Hello:
-        return Hello(worker, "decode", "tcp://x", {}, 4096, 4096, free_pages=free, total_pages=256)
+        return Hello(worker, "tcp://x", target(), 4096, 4096, free_pages=free, total_pages=256)
 
     for h in (hello(P, "prefill", pool=4096), decode_hello("decode-a", 256), decode_hello("decode-b", 250)):
         core.worker_up(h)
@@ -484,9 +486,9 @@ def test_router_treats_a_decode_hello_with_a_new_pid_as_a_restart():
     into the new pool, whose (page, epoch) pairs start over and belong to other requests. Now the old incarnation
     goes through worker_down, and the new one is told to join under the next membership epoch."""
     core = router_core()
-    core.workers[D].hello = Hello(D, "decode", "tcp://x", {"shm": "old"}, 1000, 64, free_pages=10, pid=41)
+    core.workers[D].hello = Hello(D, "tcp://x", target("old"), 1000, 64, free_pages=10, pid=41)
     core.submit(request())
-    restarted = Hello(D, "decode", "tcp://x", {"shm": "new"}, 1000, 64, free_pages=10, pid=42)
+    restarted = Hello(D, "tcp://x", target("new"), 1000, 64, free_pages=10, pid=42)
     out = core.handle(D, restarted)
     assert [(a.to, a.msg) for a in out if isinstance(a, Send) and not isinstance(a.msg, Admit | Prefill)] == [
         ("prefill-0", WorkerDown(D)), ("prefill-1", WorkerDown(D)), ("decode-1", WorkerDown(D)), (D, Fenced(1))]
@@ -494,8 +496,8 @@ def test_router_treats_a_decode_hello_with_a_new_pid_as_a_restart():
     assert list(core.reqs) == [retry_rid(RID)] and core.reqs[retry_rid(RID)].decode == "decode-1"
     assert D not in core.workers
     out = core.handle(D, restarted, epoch=1)
-    assert [(a.to, a.msg) for a in out] == [("prefill-0", Peers({"decode-1": {}, D: {"shm": "new"}})),
-                                            ("prefill-1", Peers({"decode-1": {}, D: {"shm": "new"}}))]
+    assert [(a.to, a.msg) for a in out] == [("prefill-0", Peers({"decode-1": target(), D: target("new")})),
+                                            ("prefill-1", Peers({"decode-1": target(), D: target("new")}))]
     assert core.workers[D].hello is restarted and core.workers[D].in_flight == 0
     assert core.handle(D, restarted, epoch=1) == []  # its next heartbeat is just a heartbeat
 
@@ -503,9 +505,9 @@ def test_router_treats_a_decode_hello_with_a_new_pid_as_a_restart():
 def test_router_keeps_a_restarted_prefill_and_its_requests():
     """Prefill's queued messages reach its new process, which may act on them: decode must keep its pages."""
     core = router_core()
-    core.workers[P].hello = Hello(P, "prefill", "tcp://x", {}, 1000, 64, pid=41)
+    core.workers[P].hello = Hello(P, "tcp://x", side("prefill"), 1000, 64, pid=41)
     core.submit(request())
-    out = core.worker_up(Hello(P, "prefill", "tcp://x", {}, 1000, 64, pid=42))
+    out = core.worker_up(Hello(P, "tcp://x", side("prefill"), 1000, 64, pid=42))
     assert [(a.to, type(a.msg)) for a in out] == [(P, Peers)]  # the new process holds no Peers yet
     assert RID in core.reqs
 

@@ -19,10 +19,12 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import msgspec
 import numpy as np
 import pytest
 import xxhash
 
+from kvfence.descriptors import ShmDescriptor, TcpDescriptor
 from kvfence.transfer import (
     BACKENDS,
     SegmentError,
@@ -176,7 +178,7 @@ def test_shm_trim_takes_the_peers_pool_out_of_this_process_rss():
     pair = Pair("shm")
     try:
         pair.write([(0, 0, 1 << 20)])
-        path = pair.target.descriptor["path"]
+        path = pair.target.descriptor.path
         assert 1024 <= _mapped_kib(path) <= 1024 + 64 < POOL // 1024  # the pages written, not the pool
         pair.initiator.trim()
         assert _mapped_kib(path) == 0
@@ -311,7 +313,7 @@ def test_target_side_refuses_ranges_beyond_its_region(fresh):
 
     shm refuses to map it; tcp's target, Mooncake's and NIXL's engines reject the range itself.
     """
-    inflated = {**fresh.target.descriptor, "nbytes": 2 * POOL}
+    inflated = msgspec.structs.replace(fresh.target.descriptor, nbytes=2 * POOL)
     with pytest.raises(TransferError):
         liar = fresh.initiator.connect(inflated)
         fresh.initiator.write(liar, [(0, POOL - 100, PAGE)])
@@ -324,9 +326,10 @@ def test_target_side_refuses_ranges_beyond_its_region(fresh):
 
 
 def test_descriptor_of_another_kind_is_refused(fresh):
-    other = "tcp" if fresh.kind != "tcp" else "shm"
-    with pytest.raises(TransferError):
-        fresh.initiator.connect({**fresh.target.descriptor, "kind": other})
+    tcp = TcpDescriptor(nbytes=POOL, host="127.0.0.1", port=9, id="00" * 16)
+    other = tcp if fresh.kind != "tcp" else ShmDescriptor(nbytes=POOL, path="/dev/shm/nothing", pid=0)
+    with pytest.raises(TransferError, match=f"cannot use a '{other.kind}' descriptor"):
+        fresh.initiator.connect(other)
 
 
 # ---------------------------------------------------------------------------- failures
@@ -485,7 +488,7 @@ def _batch(dst: int, payload: bytes) -> bytes:
 def _rogue(target: TargetProcess, hello: bytes, then: bytes = b"") -> bytes:
     """Connect as a rogue, send ``hello``, read what the target answers, send ``then``; returns the answer."""
     answer = b""
-    with socket.create_connection((target.descriptor["host"], target.descriptor["port"]), timeout=5) as sock:
+    with socket.create_connection((target.descriptor.host, target.descriptor.port), timeout=5) as sock:
         sock.sendall(hello)
         with contextlib.suppress(OSError):  # the target hangs up on a rogue, perhaps with a reset
             answer += sock.recv(4096)
@@ -507,7 +510,7 @@ def test_tcp_member_target_lands_nothing_from_a_connection_without_the_key(membe
     the key (even with a descriptor that hides ``members_only``) land no byte: the region is untouched."""
     from kvfence.transfer import tcp, tcp_auth
 
-    target_id = bytes.fromhex(member_target.descriptor["id"])
+    target_id = bytes.fromhex(member_target.descriptor.id)
     before = member_target.digest()
     payload = b"\x01" * 4096
     assert _rogue(member_target, tcp.HELLO.pack(b"KVFH", target_id) + _batch(0, payload)) == b""
@@ -517,8 +520,9 @@ def test_tcp_member_target_lands_nothing_from_a_connection_without_the_key(membe
     with make_initiator("tcp", 4 << 20) as keyless:
         with pytest.raises(TransferError, match="members only"):
             keyless.connect(member_target.descriptor)
+        hiding = msgspec.structs.replace(member_target.descriptor, members_only=False)
         with pytest.raises(TransferError):
-            keyless.write(keyless.connect({**member_target.descriptor, "members_only": False}), [(0, 0, PAGE)])
+            keyless.write(keyless.connect(hiding), [(0, 0, PAGE)])
     assert member_target.digest() == before
 
 
@@ -552,8 +556,8 @@ def test_tcp_member_initiator_sends_no_kv_to_a_target_that_cannot_prove_membersh
 
     thread = threading.Thread(target=impostor)
     thread.start()
-    descriptor = {"kind": "tcp", "host": "127.0.0.1", "port": listener.getsockname()[1], "id": "00" * 16,
-                  "nbytes": 4 << 20, "members_only": True}
+    descriptor = TcpDescriptor(nbytes=4 << 20, host="127.0.0.1", port=listener.getsockname()[1], id="00" * 16,
+                               members_only=True)
     with make_initiator("tcp", 4 << 20, secret=SECRET) as ini:
         with pytest.raises(TransferError, match="target does not hold"):
             ini.write(ini.connect(descriptor), [(0, 0, PAGE)])
@@ -603,8 +607,8 @@ class Tap:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
 
-    def descriptor(self, target: TargetProcess) -> dict:
-        return {**target.descriptor, "host": self.address[0], "port": self.address[1]}
+    def descriptor(self, target: TargetProcess) -> TcpDescriptor:
+        return msgspec.structs.replace(target.descriptor, host=self.address[0], port=self.address[1])
 
     def close(self) -> None:
         self.listener.close()
@@ -615,7 +619,7 @@ def test_tcp_sealed_connections_hide_kv_on_the_wire(sealed):
     """What crosses hosts is sealed: a recognisable payload shows on the wire of a member (loopback) connection,
     never on a sealed one."""
     target = TargetProcess("tcp", 4 << 20, secret=SECRET, sealed=sealed)
-    tap = Tap((target.descriptor["host"], target.descriptor["port"]))
+    tap = Tap((target.descriptor.host, target.descriptor.port))
     marker = b"the secret code is ZEBRA-4471. " * 64
     with make_initiator("tcp", 4 << 20, secret=SECRET) as ini:
         ini.buffer[: len(marker)] = marker
@@ -633,7 +637,7 @@ def test_tcp_sealed_record_tampered_on_the_wire_lands_nothing():
     target.fill(FILL)
     before = target.digest()
     hello = tcp_auth.MEMBER_HELLO.size + tcp_auth.PROOF_BYTES
-    tap = Tap((target.descriptor["host"], target.descriptor["port"]), flip=hello + 4 + 200)  # inside the payload
+    tap = Tap((target.descriptor.host, target.descriptor.port), flip=hello + 4 + 200)  # inside the payload
     with make_initiator("tcp", 4 << 20, secret=SECRET) as ini:
         peer = ini.connect(tap.descriptor(target))
         with pytest.raises(TransferError):
@@ -675,7 +679,7 @@ def test_shm_maps_and_sweeps_only_this_users_private_segments(tmp_path):
         ini.write(ini.connect(target.descriptor()), [(0, 0, 64)])  # the real segment
         for path in planted.values():
             with pytest.raises(TransferError, match="refused"):
-                ini.connect({**target.descriptor(), "path": str(path)})
+                ini.connect(msgspec.structs.replace(target.descriptor(), path=str(path)))
     assert shm.sweep_stale(str(tmp_path)) == []
     shm.Target(PAGE, dir=str(tmp_path)).close()  # starts despite the planted files
     assert all(p.is_symlink() or p.read_bytes() == bytes(PAGE) for p in planted.values())

@@ -89,7 +89,11 @@ def make_batch(chunks: list[SeqChunk], pool: KVPool, kv_layers: tuple[torch.Tens
             longer.append(i)
     order = [i for g in groups.values() for i in g] + longer  # processing order
     ps = pool.page_size
-    tokens, positions, reads, writes, attn = [], [], [], [], []
+    tokens: list[int] = []
+    positions: list[np.ndarray] = []
+    reads: list[np.ndarray] = []
+    writes: list[np.ndarray] = []
+    attn: list[Attn] = []
     first_row = [0] * len(chunks)
     q0 = k0 = 0
     starts = [0]
@@ -126,7 +130,7 @@ def make_batch(chunks: list[SeqChunk], pool: KVPool, kv_layers: tuple[torch.Tens
         chunk_order = torch.from_numpy(np.argsort(order)).to(device)
         rows = np.concatenate([np.arange(first_row[i], first_row[i] + sizes[i]) for i in range(len(chunks))])
         token_order = torch.from_numpy(rows).to(device)
-    windows = {config.window(i) for i in range(config.num_layers)} - {None}
+    windows = {w for i in range(config.num_layers) if (w := config.window(i)) is not None}
     if len(windows) > 1:
         raise ValueError(f"one sliding window per model, not {sorted(windows)}")
     window = windows.pop() if windows else None

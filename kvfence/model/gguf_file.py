@@ -177,7 +177,8 @@ def _read_str(buf: mmap.mmap, off: int) -> tuple[str, int]:
 
 def _read_str_array(buf: mmap.mmap, off: int, n: int) -> tuple[list[str], int]:
     """``n`` strings from ``off`` in one tight loop (the vocabulary and merges: ~100k strings)."""
-    unpack, size, out = struct.Struct("<Q").unpack_from, len(buf), []
+    unpack, size = struct.Struct("<Q").unpack_from, len(buf)
+    out: list[str] = []
     append = out.append
     for _ in range(n):
         (length,) = unpack(buf, off)

@@ -180,12 +180,13 @@ def layout_mismatch(so: ctypes.CDLL, structs: dict[str, type[ctypes.Structure]])
     names = ctypes.c_char_p()
     values = (ctypes.c_int64 * so.kvf_layout(None, None))()
     so.kvf_layout(values, ctypes.byref(names))
-    names = names.value.decode().split(",")
-    fields, sizes = names[:-2], names[-2:]
-    c_side = {name: tuple(values[2 * i : 2 * i + 2]) for i, name in enumerate(fields)}
+    assert names.value is not None  # kvf_layout always names its fields
+    listed = names.value.decode().split(",")
+    fields, sizes = listed[:-2], listed[-2:]
+    c_side: dict[str, tuple[int, ...]] = {name: tuple(values[2 * i : 2 * i + 2]) for i, name in enumerate(fields)}
     c_side |= {name: (values[2 * len(fields) + i],) for i, name in enumerate(sizes)}
-    ours = {f"{s}.{f}": (getattr(st, f).offset, getattr(st, f).size)
-            for s, st in structs.items() for f, _ in st._fields_}
+    ours: dict[str, tuple[int, ...]] = {f"{s}.{f}": (getattr(st, f).offset, getattr(st, f).size)
+                                        for s, st in structs.items() for f, *_ in st._fields_}
     ours |= {f"sizeof.{s}": (ctypes.sizeof(st),) for s, st in structs.items()}
     wrong = sorted(n for n in c_side.keys() | ours.keys() if c_side.get(n) != ours.get(n))
     return ", ".join(f"{n}: {c_side.get(n)} in C, {ours.get(n)} in ctypes" for n in wrong) or None
@@ -193,10 +194,10 @@ def layout_mismatch(so: ctypes.CDLL, structs: dict[str, type[ctypes.Structure]])
 
 def _load(name: str) -> ctypes.CDLL | None:
     """Build and load flavour ``name``; None if it does not build or its tiles are refused (logged)."""
-    source, _, flags = _FLAVOURS[name]
+    file, _, flags = _FLAVOURS[name]
     if name == "avx512" and _cpu_has("avx512_vnni"):
         flags = [*flags, "-mavx512vnni"]
-    source = Path(__file__).with_name(source)
+    source = Path(__file__).with_name(file)
     lib = build(source, [*flags, *_COMMON_FLAGS], deps=sorted(source.parent.glob("*.h")))
     if lib is None:
         return None

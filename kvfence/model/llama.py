@@ -89,12 +89,13 @@ def _rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devic
     short factors. A fixed table keeps a position's K/V a function of the tokens alone: pages are written once,
     moved between workers and checksummed, whatever the chunking, the batch, or a recompute."""
     D, theta = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta if theta is None else theta  # D: the rotated dims
-    scaling = cfg.rope_scaling if scaling is True else scaling
+    scaling = cfg.rope_scaling if scaling is True else scaling or None
     shape = torch.arange(0, D, 2, dtype=torch.int64).float() / D  # [D/2]
     positions = torch.arange(cfg.max_context, dtype=torch.float32)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     attention_factor = 1.0
     if kind == "longrope":
+        assert scaling is not None  # without one the kind is "default"
         short, long, attention_factor = _longrope(scaling, theta, shape)
         orig = min(scaling["original_max_position_embeddings"], cfg.max_context)
         freqs = torch.cat([torch.outer(positions[:orig], short), torch.outer(positions[orig:], long)])
@@ -125,6 +126,7 @@ def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
+    assert scaling is not None  # without one the kind is "default"
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind != "llama3":

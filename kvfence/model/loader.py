@@ -110,8 +110,8 @@ def _load_gguf(path: Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor | B
     for t in parsed.tensors:
         shape = tuple(reversed(t.shape))
         if t.tensor_type.name in BLOCK_BYTES and len(shape) == 2:  # kept as blocks; the model expands what it must
-            w = BlockWeight.from_gguf(t.tensor_type.name, parsed.tensor_data(t), shape)
-            state[_hf_name(t.name)] = BlockWeight(w.fmt, _unpermute_rope(t.name, w.rows, cfg))  # rows move whole
+            b = BlockWeight.from_gguf(t.tensor_type.name, parsed.tensor_data(t), shape)
+            state[_hf_name(t.name)] = BlockWeight(b.fmt, _unpermute_rope(t.name, b.rows, cfg))  # rows move whole
         else:
             arr = gguf.quants.dequantize(parsed.tensor_data(t), t.tensor_type).reshape(shape)
             w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors come back read-only
@@ -144,14 +144,14 @@ def _unpermute_rope(gguf_name: str, w: torch.Tensor, cfg: ModelConfig) -> torch.
 # -- HF directory -----------------------------------------------------------------------------------------------
 
 
-def _load_hf_dir(path: Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def _load_hf_dir(path: Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor | BlockWeight], Tokenizer]:
     from safetensors.torch import load_file
 
     raw = json.loads((path / "config.json").read_text())
     hf_arch(raw)  # fail before reading any weights
     t0 = time.perf_counter()
     files = safetensors_files(path)
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor | BlockWeight] = {}  # tensors only: the type Model.from_state_dict takes
     for f in files:
         state.update(load_file(str(f)))
     cfg = hf_config(raw, state)

@@ -128,7 +128,8 @@ class Tokenizer:
         cfg = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
         bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
-        eos_ids = {backend.token_to_id(eos)} if eos and backend.token_to_id(eos) is not None else set()
+        eos_id = backend.token_to_id(eos) if eos else None
+        eos_ids: set[int] = {eos_id} if eos_id is not None else set()
         for source in (gen, _read_json(path / "config.json")):  # generation_config first; config.json as a fallback
             more = source.get("eos_token_id")
             eos_ids |= set(more if isinstance(more, list) else [more] if more is not None else [])
@@ -153,7 +154,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens in the text map to their ids; BOS only if the model asks for it."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
+        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids
 

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import fields
-from typing import Any, Union
+from typing import ClassVar, Union
 
 import msgspec
 
 from kvfence.core import KvfenceError, SamplingParams, TokenLogprob
+from kvfence.descriptors import Descriptor
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -202,13 +203,27 @@ class Reject(RequestMsg, frozen=True):
 # -- liveness and load ------------------------------------------------------------
 
 
+class PrefillSide(msgspec.Struct, frozen=True, tag_field="role", tag="prefill"):
+    """What only a prefill worker's Hello says: the digest of the Peers it holds (``Peers.digest``)."""
+
+    role: ClassVar[str] = "prefill"
+    peers: str
+
+
+class DecodeSide(msgspec.Struct, frozen=True, tag_field="role", tag="decode"):
+    """What only a decode worker's Hello says: where prefill writes its KV. The router hands it on in ``Peers``."""
+
+    role: ClassVar[str] = "decode"
+    target: Descriptor  # its KV pool's data-plane target
+    kv_pages: int  # pages in that pool: prefill needs the count to place the tags
+
+
 class Hello(Msg, frozen=True):
     """Worker -> router, at start and every heartbeat: who I am, where I listen, how loaded I am."""
 
     worker: str
-    role: str  # "prefill" | "decode"
     control: str  # ZeroMQ address this worker's inbox is bound to
-    data: dict[str, Any]  # decode: its data-plane descriptor (KV target); prefill: {"peers": digest of its Peers}
+    side: PrefillSide | DecodeSide  # its role's own part; the tag names the role
     pool_tokens: int
     max_context: int
     free_pages: int = 0
@@ -225,11 +240,16 @@ class Hello(Msg, frozen=True):
     cache_evictions: int = 0  # pages its prefix cache evicted since it started
     safety_off: list[str] = []  # the safety layers this worker runs with switched off (``KVFENCE_UNSAFE``)
 
+    @property
+    def role(self) -> str:
+        """The worker's role, "prefill" or "decode": ``side``'s tag."""
+        return self.side.role
+
 
 class Peers(Msg, frozen=True):
-    """Router -> prefill: the live decode workers and their data-plane descriptors (sent before any use)."""
+    """Router -> prefill: the live decode workers and their data-plane targets (sent before any use)."""
 
-    decodes: dict[str, dict[str, Any]]
+    decodes: dict[str, DecodeSide]
 
     def digest(self) -> str:
         """A short fingerprint; a prefill's Hello carries the one it holds, so the router can resend a lost Peers."""

@@ -67,6 +67,7 @@ from kvfence.protocol.capacity import DispatchLimits, FairQueue, QueuePolicy
 from kvfence.protocol.messages import (
     Admit,
     Cancel,
+    DecodeSide,
     Fenced,
     Hello,
     Message,
@@ -74,6 +75,7 @@ from kvfence.protocol.messages import (
     Params,
     Peers,
     Prefill,
+    PrefillSide,
     Reject,
     WorkerDown,
 )
@@ -261,15 +263,15 @@ class RouterCore:
             return self.worker_down(hello.worker) + [rejoin]
         if self.fenced.pop(hello.worker, hello.pid) != hello.pid:  # a new process: the fenced one is gone
             actions += [Send(w, WorkerDown(hello.worker)) for w in self.workers]
-        news = info is None or info.hello.data != hello.data
+        news = info is None or info.hello.side != hello.side
         self.absent_since.pop(hello.role, None)
         if info is None:
             self.workers[hello.worker] = WorkerInfo(hello)
         else:
             info.hello, info.pages_promised = hello, 0
         peers = self._peers()
-        if hello.role == "prefill":  # anti-entropy: a prefill whose Peers went missing gets them again
-            stale = hello.data.get("peers") != peers.digest()
+        if isinstance(hello.side, PrefillSide):  # anti-entropy: a prefill whose Peers went missing gets them again
+            stale = hello.side.peers != peers.digest()
             return actions + ([Send(hello.worker, peers)] if stale else []) + self._dispatch()
         return actions + ([Send(p, peers) for p in self._role("prefill")] if news else []) + self._dispatch()
 
@@ -366,7 +368,8 @@ class RouterCore:
         return [w for w, info in self.workers.items() if info.hello.role == role]
 
     def _peers(self) -> Peers:
-        return Peers({w: self.workers[w].hello.data for w in self._role("decode")})
+        sides = {w: info.hello.side for w, info in self.workers.items()}
+        return Peers({w: side for w, side in sides.items() if isinstance(side, DecodeSide)})
 
     def _end(self, req: RouterReq) -> None:
         if req.state is RState.HANDOFF:

@@ -1,7 +1,7 @@
 """The KV data plane: one-sided writes from a prefill region into a decode region.
 
 A decode worker owns a ``KVTarget``: one page-aligned byte region (its KV pool)
-that peers may write into, described by a JSON-able ``descriptor()``. A prefill
+that peers may write into, described by its ``descriptor()`` (``kvfence/descriptors.py``). A prefill
 worker owns a ``KVInitiator``: its own page-aligned region (its prefill pool),
 from which it copies byte ranges into a target's region, the way an RDMA write
 would. Control messages (``Dest``, ``Done`` ...) never travel here.
@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import importlib
-import json
 import mmap
 import operator
 import threading
@@ -45,6 +44,8 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar, NoReturn
 
 import numpy as np
+
+from kvfence.descriptors import Descriptor
 
 Segment = tuple[int, int, int]  # (src_offset, dst_offset, nbytes)
 Plan = Sequence[Segment]  # validated, coalesced segments, as handed to a backend (a list or a tuple)
@@ -195,11 +196,6 @@ def _plan_large(segments: Sequence[Segment] | np.ndarray, src_size: int, dst_siz
     return np.column_stack((a[starts, 0], a[starts, 1], np.add.reduceat(a[:, 2], starts)))
 
 
-def descriptor_key(descriptor: dict) -> str:
-    """A canonical string for a descriptor: the initiator's peer-cache key."""
-    return json.dumps(descriptor, sort_keys=True, separators=(",", ":"))
-
-
 def remaining(deadline: float) -> float:
     """Seconds left until ``deadline`` (monotonic); raises ``TransferTimeout`` when none."""
     left = deadline - time.monotonic()
@@ -226,8 +222,8 @@ class KVTarget(ABC):
     nbytes: int
 
     @abstractmethod
-    def descriptor(self) -> dict:
-        """Everything an initiator needs to connect; JSON/msgspec-serialisable, contains ``kind``."""
+    def descriptor(self) -> Descriptor:
+        """Everything an initiator needs to connect; its ``kind`` is this backend's."""
 
     @abstractmethod
     def close(self) -> None:
@@ -246,9 +242,9 @@ class KVTarget(ABC):
 class PeerHandle:
     """One connected target as an initiator sees it. Made by ``KVInitiator.connect``; thread-safe."""
 
-    def __init__(self, descriptor: dict) -> None:
+    def __init__(self, descriptor: Descriptor) -> None:
         self.descriptor = descriptor
-        self.nbytes = int(descriptor["nbytes"])
+        self.nbytes = descriptor.nbytes
         self.failure: TransferError | None = None
         self._lock = threading.Lock()
         self._queue: cf.ThreadPoolExecutor | None = None
@@ -319,15 +315,15 @@ class KVInitiator(ABC):
         self.buffer: memoryview = self.region.buffer
         self.nbytes = nbytes
         self.timeout = timeout
-        self._peers: dict[str, PeerHandle] = {}
+        self._peers: dict[Descriptor, PeerHandle] = {}
         self._lock = threading.Lock()
         self._closed = False
 
     # -- backend hooks
 
     @abstractmethod
-    def _connect(self, descriptor: dict) -> PeerHandle:
-        """Open a peer for ``descriptor``; raise ``TransferError`` if it is unreachable."""
+    def _connect(self, descriptor: Descriptor) -> PeerHandle:
+        """Open a peer for ``descriptor`` (of this backend's kind); raise ``TransferError`` if it is unreachable."""
 
     @abstractmethod
     def _write(self, peer: PeerHandle, plan: Plan, deadline: float) -> None:
@@ -344,20 +340,19 @@ class KVInitiator(ABC):
 
     # -- public API
 
-    def connect(self, descriptor: dict) -> PeerHandle:
+    def connect(self, descriptor: Descriptor) -> PeerHandle:
         """The peer for ``descriptor``, cached; a poisoned peer is replaced by a fresh connection."""
-        if descriptor.get("kind") != self.kind:
-            raise TransferError(f"{self.kind} initiator cannot use a {descriptor.get('kind')!r} descriptor")
-        key = descriptor_key(descriptor)
+        if descriptor.kind != self.kind:
+            raise TransferError(f"{self.kind} initiator cannot use a {descriptor.kind!r} descriptor")
         with self._lock:
             self._check_open()
-            peer = self._peers.get(key)
+            peer = self._peers.get(descriptor)
             if peer is not None and peer.failure is None:
                 return peer
             if peer is not None:
-                self._drop(key, peer)
+                self._drop(descriptor, peer)
             peer = self._connect(descriptor)
-            self._peers[key] = peer
+            self._peers[descriptor] = peer
             return peer
 
     def write(self, peer: PeerHandle, segments: Sequence[Segment], timeout: float | None = None) -> None:
@@ -426,7 +421,7 @@ class KVInitiator(ABC):
         finally:
             peer.exit()
 
-    def _drop(self, key: str, peer: PeerHandle) -> None:
+    def _drop(self, key: Descriptor, peer: PeerHandle) -> None:
         del self._peers[key]
         peer.poison(TransferError("peer closed"))
         peer.shutdown()

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvfence.descriptors import Descriptor
 from kvfence.transfer.base import Region, TransferError, make_target
 
 
@@ -33,7 +34,7 @@ class TargetProcess:
         self.proc.start()
         child.close()
         self.kind, self.nbytes = kind, nbytes
-        self.descriptor: dict = self._reply(start_timeout, f"{kind} target failed to start")
+        self.descriptor: Descriptor = self._reply(start_timeout, f"{kind} target failed to start")
 
     def read(self, offset: int, nbytes: int) -> bytes:
         return self._call("read", offset, nbytes)

@@ -28,6 +28,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any
 
+from kvfence.descriptors import Descriptor, MooncakeDescriptor
 from kvfence.transfer.base import (
     DEFAULT_TIMEOUT,
     KVInitiator,
@@ -127,14 +128,9 @@ class Target(KVTarget):
         _register(self._engine, self.region)
         self.session = f"{hostname}:{self._engine.get_rpc_port()}"
 
-    def descriptor(self) -> dict:
-        return {
-            "kind": self.kind,
-            "session": self.session,
-            "protocol": self.protocol,
-            "base": self.region.address,
-            "nbytes": self.nbytes,
-        }
+    def descriptor(self) -> MooncakeDescriptor:
+        return MooncakeDescriptor(nbytes=self.nbytes, session=self.session, protocol=self.protocol,
+                                  base=self.region.address)
 
     def close(self) -> None:
         """Unregister the region (later writes are rejected by the engine) and stop the engine."""
@@ -146,10 +142,10 @@ class Target(KVTarget):
 
 
 class MooncakePeer(PeerHandle):
-    def __init__(self, descriptor: dict) -> None:
+    def __init__(self, descriptor: MooncakeDescriptor) -> None:
         super().__init__(descriptor)
-        self.session: str = descriptor["session"]
-        self.base = int(descriptor["base"])
+        self.session = descriptor.session
+        self.base = descriptor.base
 
 
 class Initiator(KVInitiator):
@@ -170,9 +166,10 @@ class Initiator(KVInitiator):
         self._engine = _engine(hostname, protocol, device, timeout)
         _register(self._engine, self.region)
 
-    def _connect(self, descriptor: dict) -> PeerHandle:
-        if descriptor.get("protocol", self.protocol) != self.protocol:
-            raise TransferError(f"mooncake target speaks {descriptor['protocol']!r}, this initiator {self.protocol!r}")
+    def _connect(self, descriptor: Descriptor) -> PeerHandle:
+        assert isinstance(descriptor, MooncakeDescriptor)  # connect checked the kind
+        if descriptor.protocol != self.protocol:
+            raise TransferError(f"mooncake target speaks {descriptor.protocol!r}, this initiator {self.protocol!r}")
         peer = MooncakePeer(descriptor)
         rc = self._engine.send_probe(peer.session)
         if rc != 0:

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from kvfence.descriptors import Descriptor, NixlDescriptor
 from kvfence.transfer.base import (
     DEFAULT_TIMEOUT,
     KVInitiator,
@@ -148,15 +149,9 @@ class Target(KVTarget):
         self._agent, self.name = _agent("target", backends, progress_thread=True)
         self._reg = _register(self._agent, self.region)
 
-    def descriptor(self) -> dict:
+    def descriptor(self) -> NixlDescriptor:
         metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
-        return {
-            "kind": self.kind,
-            "agent": self.name,
-            "metadata": metadata,
-            "base": self.region.address,
-            "nbytes": self.nbytes,
-        }
+        return NixlDescriptor(nbytes=self.nbytes, agent=self.name, metadata=metadata, base=self.region.address)
 
     def close(self) -> None:
         """Deregister the region and drop the agent (its UCX worker goes with it)."""
@@ -168,10 +163,11 @@ class Target(KVTarget):
 
 
 class NixlPeer(PeerHandle):
-    def __init__(self, descriptor: dict, remote_name: Any) -> None:
+    def __init__(self, descriptor: NixlDescriptor, remote_name: Any) -> None:
         super().__init__(descriptor)
+        self.agent = descriptor.agent
         self.remote_name = remote_name
-        self.base = int(descriptor["base"])
+        self.base = descriptor.base
 
 
 class Initiator(KVInitiator):
@@ -190,12 +186,13 @@ class Initiator(KVInitiator):
         self._success, self._in_progress = bind.NIXL_SUCCESS, bind.NIXL_IN_PROG
         self._stuck: list[int] = []  # requests NIXL could not cancel: released again at close, never reused
 
-    def _connect(self, descriptor: dict) -> PeerHandle:
+    def _connect(self, descriptor: Descriptor) -> PeerHandle:
+        assert isinstance(descriptor, NixlDescriptor)  # connect checked the kind
         try:
-            remote = self._agent.add_remote_agent(base64.b64decode(descriptor["metadata"]))
+            remote = self._agent.add_remote_agent(base64.b64decode(descriptor.metadata))
             self._agent.make_connection(remote)
         except Exception as e:
-            raise TransferError(f"NIXL could not connect to {descriptor.get('agent')}: {e}") from e
+            raise TransferError(f"NIXL could not connect to {descriptor.agent}: {e}") from e
         return NixlPeer(descriptor, remote)
 
     def _descs(self, base: int, plan: Plan, column: int) -> Any:
@@ -225,7 +222,7 @@ class Initiator(KVInitiator):
             remote = self._descs(peer.base, plan, 1)
             request = core.createXferReq(self._write_op, local, remote, peer.remote_name, b"", [])
         except Exception as e:
-            raise TransferError(f"NIXL rejected the write to {peer.descriptor['agent']}: {e}") from e
+            raise TransferError(f"NIXL rejected the write to {peer.agent}: {e}") from e
         try:
             status = core.postXferReq(request, b"")
             polls = 0
@@ -239,11 +236,11 @@ class Initiator(KVInitiator):
         except Exception as e:
             if isinstance(e, TransferError):
                 raise
-            raise TransferError(f"NIXL write to {peer.descriptor['agent']} failed: {e}") from e
+            raise TransferError(f"NIXL write to {peer.agent} failed: {e}") from e
         finally:
             self._release_request(request)
         if status != self._success:
-            raise TransferError(f"NIXL write to {peer.descriptor['agent']} ended with status {status}")
+            raise TransferError(f"NIXL write to {peer.agent} ended with status {status}")
 
     def _release_request(self, request: int) -> None:
         try:

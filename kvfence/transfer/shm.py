@@ -42,6 +42,7 @@ from typing import NoReturn
 
 from kvfence import env
 from kvfence.cbuild import load_extension
+from kvfence.descriptors import Descriptor, ShmDescriptor
 from kvfence.transfer.base import (
     DEFAULT_TIMEOUT,
     KVInitiator,
@@ -156,8 +157,8 @@ class Target(KVTarget):
         self.region = Region(mm)
         self.buffer = self.region.buffer
 
-    def descriptor(self) -> dict:
-        return {"kind": self.kind, "path": self.path, "nbytes": self.nbytes, "pid": os.getpid()}
+    def descriptor(self) -> ShmDescriptor:
+        return ShmDescriptor(nbytes=self.nbytes, path=self.path, pid=os.getpid())
 
     def close(self) -> None:
         """Unlink the name and drop the lock: initiators' later writes fail. Views stay valid."""
@@ -170,9 +171,9 @@ class Target(KVTarget):
 
 
 class ShmPeer(PeerHandle):
-    def __init__(self, descriptor: dict, fd: int, mm: mmap.mmap) -> None:
+    def __init__(self, descriptor: ShmDescriptor, fd: int, mm: mmap.mmap) -> None:
         super().__init__(descriptor)
-        self.path = descriptor["path"]
+        self.path, self.pid = descriptor.path, descriptor.pid
         self.fd = fd
         self.mm = mm
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(mm)
@@ -186,7 +187,7 @@ class ShmPeer(PeerHandle):
     def gone(self) -> NoReturn:
         """The target's lock is free: it closed or died. Raises ``TransferError``."""
         Path(self.path).unlink(missing_ok=True)  # a dead target cannot clean up after itself
-        raise TransferError(f"shm target {self.path} (pid {self.descriptor.get('pid')}) closed or died")
+        raise TransferError(f"shm target {self.path} (pid {self.pid}) closed or died")
 
     def unmap(self) -> None:
         self._anchor = None
@@ -222,8 +223,9 @@ class Initiator(KVInitiator):
             return super().write(peer, segments, timeout)
         self._run(peer, segments, time.monotonic() + (self.timeout if timeout is None else timeout))
 
-    def _connect(self, descriptor: dict) -> PeerHandle:
-        path, nbytes = descriptor["path"], int(descriptor["nbytes"])
+    def _connect(self, descriptor: Descriptor) -> PeerHandle:
+        assert isinstance(descriptor, ShmDescriptor)  # connect checked the kind
+        path, nbytes = descriptor.path, descriptor.nbytes
         try:
             fd = _open_own(path)
         except FileNotFoundError:

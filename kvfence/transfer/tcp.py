@@ -47,6 +47,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvfence.cluster import Throttle, is_loopback
+from kvfence.descriptors import Descriptor, TcpDescriptor
 from kvfence.transfer import tcp_auth
 from kvfence.transfer.base import (
     DEFAULT_TIMEOUT,
@@ -209,9 +210,9 @@ class Target(KVTarget):
         with self._lock:
             self._spawn(self._accept_loop, "kvfence-tcp-accept")
 
-    def descriptor(self) -> dict:
-        return {"kind": self.kind, "host": self.host, "port": self.port, "id": self.id.hex(), "nbytes": self.nbytes,
-                "members_only": self.keys is not None}
+    def descriptor(self) -> TcpDescriptor:
+        return TcpDescriptor(nbytes=self.nbytes, host=self.host, port=self.port, id=self.id.hex(),
+                             members_only=self.keys is not None)
 
     def close(self) -> None:
         """Stop listening, drop every connection and wait for the receivers: no byte lands after this."""
@@ -413,13 +414,13 @@ class _Conn:
 
 
 class TcpPeer(PeerHandle):
-    def __init__(self, descriptor: dict, keys: tcp_auth.MemberKeys | None) -> None:
+    def __init__(self, descriptor: TcpDescriptor, keys: tcp_auth.MemberKeys | None) -> None:
         super().__init__(descriptor)
-        self.address = (descriptor["host"], int(descriptor["port"]))
-        self.target_id = bytes.fromhex(descriptor["id"])
+        self.address = (descriptor.host, descriptor.port)
+        self.target_id = bytes.fromhex(descriptor.id)
         self.keys = keys
         self._idle: collections.deque[_Conn] = collections.deque()  # append and pop are atomic: no lock needed
-        if descriptor.get("members_only", False) != (keys is not None):
+        if descriptor.members_only != (keys is not None):
             raise TransferError(f"tcp target {self.address} " + ("admits cluster members only, and this initiator "
                                 "has no cluster key" if keys is None else "has no cluster key, unlike this initiator"))
 
@@ -485,7 +486,8 @@ class Initiator(KVInitiator):
         super().__init__(nbytes, timeout)
         self.keys = tcp_auth.MemberKeys(secret) if secret is not None else None
 
-    def _connect(self, descriptor: dict) -> PeerHandle:
+    def _connect(self, descriptor: Descriptor) -> PeerHandle:
+        assert isinstance(descriptor, TcpDescriptor)  # connect checked the kind
         peer = TcpPeer(descriptor, self.keys)
         peer.give_back(peer.take(time.monotonic() + self.timeout))  # fail now if unreachable or stale
         return peer

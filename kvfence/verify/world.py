@@ -61,13 +61,24 @@ import msgspec
 import numpy as np
 
 from kvfence.core import IntegrityError, Request, SamplingParams, ServiceUnavailable
+from kvfence.descriptors import ShmDescriptor
 from kvfence.kvcache.layout import tokens_per_page, transfer_checksum
 from kvfence.kvcache.pages import PageGrant, PageState, PageTable
 from kvfence.protocol.actions import Deliver, Send, StartDecode, StartPrefill
 from kvfence.protocol.capacity import UNGATED, DispatchLimits, FairQueue, FairShares, QueuePolicy
 from kvfence.protocol.decode import DecodeCore, DecodeLimits, DState
 from kvfence.protocol.executor import Computed, DecodeExecutor, PrefillExecutor, RouterExecutor
-from kvfence.protocol.messages import Envelope, ErrorInfo, Hello, Message, Output, Peers, Reject
+from kvfence.protocol.messages import (
+    DecodeSide,
+    Envelope,
+    ErrorInfo,
+    Hello,
+    Message,
+    Output,
+    Peers,
+    PrefillSide,
+    Reject,
+)
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits, PState
 from kvfence.protocol.router import RouterCore, retry_rid
 from kvfence.safety import Safety
@@ -364,6 +375,18 @@ _TOUCHES_ROUTER = frozenset({"submit", "disconnect", "notice", "fence"})
 _TOUCHES_WORKER = frozenset({"timeout", "crash", "restart"})
 
 
+def _target(inc: int) -> ShmDescriptor:
+    """The modelled decode's KV target in incarnation ``inc``: a region its process (pid 200 + inc) owns, so a
+    restarted decode names another one."""
+    return ShmDescriptor(nbytes=0, path=DECODE, pid=200 + inc)
+
+
+def _incarnation(side: DecodeSide) -> int:
+    """The decode incarnation whose target ``side`` names (``_target``'s inverse)."""
+    assert isinstance(side.target, ShmDescriptor)  # the model's targets are ``_target``'s
+    return side.target.pid - 200
+
+
 def _writes_to(ev: Event) -> tuple[str, ...]:
     """The parts of a world that an event may change, besides net, clients and budgets (copied always)."""
     kind = ev[0]
@@ -431,10 +454,10 @@ class World:
     def _hello(self, worker: str) -> Hello:
         c = self.cfg
         if worker == PREFILL:
-            return Hello(PREFILL, "prefill", PREFILL, {"peers": self.prefill.peers.digest()}, c.prefill_pool_tokens,
+            return Hello(PREFILL, PREFILL, PrefillSide(self.prefill.peers.digest()), c.prefill_pool_tokens,
                          c.prefill_context,
                          pid=100 + self.prefill.inc)
-        return Hello(DECODE, "decode", DECODE, {"incarnation": self.decode.inc}, c.pages * c.page_size,
+        return Hello(DECODE, DECODE, DecodeSide(_target(self.decode.inc), c.pages), c.pages * c.page_size,
                      c.max_context, free_pages=c.pages, pid=200 + self.decode.inc)
 
     def clone(self) -> World:
@@ -892,7 +915,7 @@ class World:
     def _start_prefill(self, start: StartPrefill) -> None:
         """The runner computes the prompt and issues one write per page (``_Runner.start``)."""
         node = self.prefill
-        target = node.peers.decodes[start.decode]["incarnation"]
+        target = _incarnation(node.peers.decodes[start.decode])
         if target != self.decode.inc or self.decode.down:
             self._note(lambda: f"prefill runner: cannot reach {start.decode}'s pool for {self._name(start.rid)}")
             raise ServiceUnavailable("decode worker unreachable")
@@ -1202,7 +1225,7 @@ def fmt(msg: Message, names: dict[int, str] | None = None) -> str:
     fields = msgspec.structs.asdict(msg)
     parts = []
     for k, v in fields.items():
-        if k in ("params", "text", "prompt_tokens", "completion_tokens", "control", "data", "queued_tokens",
+        if k in ("params", "text", "prompt_tokens", "completion_tokens", "control", "side", "queued_tokens",
                  "running", "free_pages", "max_context", "pool_tokens", "pid", "weight") and name != "Peers":
             continue
         if k == "rid":

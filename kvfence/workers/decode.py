@@ -20,7 +20,7 @@ from kvfence.kvcache.pages import PageGrant
 from kvfence.protocol.actions import StartDecode
 from kvfence.protocol.decode import DecodeCore, DecodeLimits
 from kvfence.protocol.executor import DecodeExecutor
-from kvfence.protocol.messages import ErrorInfo, Hello, Output, Reject
+from kvfence.protocol.messages import DecodeSide, ErrorInfo, Hello, Output, Reject
 from kvfence.workers.common import WorkerBase, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,8 @@ class DecodeWorker(WorkerBase):
 
     def hello(self) -> Hello:
         sched, pages = self._engine.scheduler, self._engine.pages
-        data = {**self.target.descriptor(), "kv_pages": pages.num_pages}  # prefill needs it to place tags
-        return Hello(self.me, self.role, self.me, data, self.settings.pool_tokens,
+        side = DecodeSide(self.target.descriptor(), pages.num_pages)
+        return Hello(self.me, self.me, side, self.settings.pool_tokens,
                      self.settings.max_context, free_pages=self._engine.free_pages,
                      queued_tokens=len(self.core.waiting), running=len(sched.running), pid=os.getpid(),
                      quarantined_pages=pages.num_quarantined,

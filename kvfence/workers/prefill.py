@@ -25,7 +25,7 @@ from kvfence.engine.scheduler import Sequence, Work
 from kvfence.kvcache.layout import TAG_BYTES, KVLayout, tokens_per_page, transfer_checksum
 from kvfence.protocol.actions import StartPrefill
 from kvfence.protocol.executor import Computed, PrefillExecutor
-from kvfence.protocol.messages import Hello, Peers
+from kvfence.protocol.messages import DecodeSide, Hello, Peers, PrefillSide
 from kvfence.protocol.prefill import PrefillCore, PrefillLimits
 from kvfence.transfer.base import KVInitiator, PeerHandle, Segment
 from kvfence.workers.common import WorkerBase, WorkerSettings
@@ -210,7 +210,7 @@ class PrefillWorker(WorkerBase):
         sched = self.runner.scheduler
         queued = sum(s.req.prompt_len - s.num_computed for s in (*sched.waiting, *sched.running))
         pages, cache = self.runner.pages, self.runner.cache
-        return Hello(self.me, self.role, self.me, {"peers": self.peers.digest()}, self.settings.pool_tokens,
+        return Hello(self.me, self.me, PrefillSide(self.peers.digest()), self.settings.pool_tokens,
                      self.settings.max_context, free_pages=self.runner.free_pages, queued_tokens=queued,
                      running=len(sched.running), pid=os.getpid(), quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(),
@@ -245,9 +245,9 @@ class PrefillWorker(WorkerBase):
         assert req is not None  # the prefill core's StartPrefill carries the router's Prefill
         request = Request(start.prompt_ids, req.params.to_sampling().with_max_tokens(1), req.tenant, rid=start.rid,
                           weight=req.weight, cache_salt=req.cache_salt, public_tokens=req.public_tokens)
-        descriptor = self.peers.decodes[start.decode]
-        dest = dest_layout(self.runner.pool.layout, descriptor)
-        peer = self.initiator.connect(descriptor)
+        decode = self.peers.decodes[start.decode]
+        dest = dest_layout(self.runner.pool.layout, decode)
+        peer = self.initiator.connect(decode.target)
         self.runner.start(start, request, peer, dest)
 
     def stop(self, rid: int) -> None:
@@ -269,11 +269,11 @@ class PrefillWorker(WorkerBase):
         return done
 
 
-def dest_layout(local: KVLayout, descriptor: dict) -> KVLayout:
-    """The layout of the decode pool ``descriptor`` names: ours, with its page count; its size must agree."""
-    dest = replace(local, num_pages=int(descriptor["kv_pages"]))
-    if dest.nbytes != int(descriptor["nbytes"]):
-        raise ServiceUnavailable(f"decode KV region is {descriptor['nbytes']} bytes, {dest.nbytes} expected: "
+def dest_layout(local: KVLayout, decode: DecodeSide) -> KVLayout:
+    """The layout of the pool ``decode`` names: ours, with its page count; its size must agree."""
+    dest = replace(local, num_pages=decode.kv_pages)
+    if dest.nbytes != decode.target.nbytes:
+        raise ServiceUnavailable(f"decode KV region is {decode.target.nbytes} bytes, {dest.nbytes} expected: "
                                  "prefill and decode must serve the same model, dtype and page size")
     return dest
 
