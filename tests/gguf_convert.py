@@ -11,11 +11,13 @@ SentencePiece model (``llama`` BPE or ``t5`` Unigram), and ``write_fields`` writ
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
+import torch
 
 # -- tokenizers -----------------------------------------------------------------------------------------------------
 
@@ -91,3 +93,116 @@ def write_fields(path: Path, arch: str, fields: dict[str, Any], tensors: dict[st
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# -- models ---------------------------------------------------------------------------------------------------------
+
+_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+          "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+          "Gemma3ForCausalLM": "gemma3", "Glm4MoeForCausalLM": "glm4moe"}
+
+
+_MODEL_ARCH = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
+
+
+def write_gguf(hf_dir: Path, path: Path) -> Path:
+    """Convert the tiny HF model in ``hf_dir`` (safetensors, config.json, SmolLM2's byte-level tokenizer) to the
+    GGUF llama.cpp's converter writes for its architecture (float32 tensors)."""
+    from safetensors.torch import load_file
+
+    raw = json.loads((hf_dir / "config.json").read_text())
+    params = raw.get("rope_parameters") or {}  # transformers >= 5 writes rope settings here
+    raw |= {"rope_theta": raw.get("rope_theta") or params.get("rope_theta", 10000.0),
+            "partial_rotary_factor": raw.get("partial_rotary_factor") or params.get("partial_rotary_factor", 0.5),
+            "rope_scaling": raw.get("rope_scaling") or (params if params.get("rope_type") != "default" else None)}
+    arch = _ARCHS[raw["architectures"][0]]
+    state = load_file(str(hf_dir / "model.safetensors"))
+    fields = _hparams(raw, arch) | byte_level_fields(hf_dir / "tokenizer.json", "smollm")
+    return write_fields(path, arch, fields, _tensors(raw, arch, state))
+
+
+def _hparams(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    out = {"context_length": raw["max_position_embeddings"], "embedding_length": raw["hidden_size"],
+           "feed_forward_length": raw["intermediate_size"], "block_count": raw["num_hidden_layers"],
+           "attention.head_count": heads, "attention.head_count_kv": raw["num_key_value_heads"],
+           "attention.key_length": head_dim, "attention.value_length": head_dim,
+           "attention.layer_norm_rms_epsilon": float(raw["rms_norm_eps"]),
+           "rope.freq_base": float(raw.get("rope_theta") or 10000.0), "rope.dimension_count": head_dim}
+    if arch in ("qwen3moe", "glm4moe"):
+        out |= {"expert_count": raw.get("num_experts") or raw.get("num_local_experts") or raw["n_routed_experts"],
+                "expert_used_count": raw["num_experts_per_tok"],
+                "expert_feed_forward_length": raw["moe_intermediate_size"]}
+    if arch == "glm4moe":
+        out |= {"rope.dimension_count": int(head_dim * raw["partial_rotary_factor"]),
+                "expert_shared_count": raw["n_shared_experts"],
+                "leading_dense_block_count": raw["first_k_dense_replace"], "expert_gating_func": 2,
+                "expert_weights_scale": float(raw["routed_scaling_factor"]),
+                "expert_weights_norm": bool(raw["norm_topk_prob"])}
+    if raw.get("sliding_window"):
+        out["attention.sliding_window"] = raw["sliding_window"]
+    if arch == "gemma2":
+        out |= {"attn_logit_softcapping": float(raw["attn_logit_softcapping"]),
+                "final_logit_softcapping": float(raw["final_logit_softcapping"])}
+    scaling = raw.get("rope_scaling") or {}
+    if arch == "phi3" and scaling:
+        orig = raw.get("original_max_position_embeddings") or scaling["original_max_position_embeddings"]
+        out |= {"rope.scaling.original_context_length": orig,
+                "rope.scaling.attn_factor": math.sqrt(1 + math.log(raw["max_position_embeddings"] / orig)
+                                                      / math.log(orig))}
+    return {f"{arch}.{k}": v for k, v in out.items()}
+
+
+def _tensors(raw: dict[str, Any], arch: str, state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The GGUF tensors: llama.cpp's names (``gguf.get_tensor_name_map``), llama's Q/K rows permuted, Gemma's norms
+    as 1 + w, experts stacked per layer, rope factors as tensors."""
+    names = gguf.get_tensor_name_map(_MODEL_ARCH[arch],
+                                     raw["num_hidden_layers"])
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, list[torch.Tensor]] = {}
+    for name, w in state.items():
+        w = w.float()
+        if ".mlp.experts." in name:  # model.layers.N.mlp.experts.E.gate_proj.weight -> stacked per N and proj
+            head, _, rest = name.partition(".mlp.experts.")
+            experts.setdefault(f"{head}.mlp.experts.{rest.split('.', 1)[1]}", []).append(w)
+            continue
+        if name.endswith("e_score_correction_bias"):
+            out[f"blk.{name.split('.')[2]}.exp_probs_b.bias"] = w.numpy()
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = raw["num_attention_heads"] if "q_proj" in name else raw["num_key_value_heads"]
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1
+        out[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w.numpy()
+    for name, ws in experts.items():  # per-expert tensors were listed in expert order
+        out[names.get_name(name, try_suffixes=(".weight",))] = torch.stack(ws).numpy()
+    out |= _rope_factor_tensors(raw, arch)
+    return out
+
+
+def _rope_factor_tensors(raw: dict[str, Any], arch: str) -> dict[str, np.ndarray]:
+    """llama3 rope scaling as llama.cpp's ``rope_freqs`` factors; Phi-3's longrope as its long and short ones."""
+    scaling = raw.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if arch == "phi3" and kind == "longrope":
+        return {"rope_factors_long.weight": np.array(scaling["long_factor"], np.float32),
+                "rope_factors_short.weight": np.array(scaling["short_factor"], np.float32)}
+    if kind != "llama3":
+        return {}
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    freqs = 1.0 / (raw["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": np.array(factors, np.float32)}
