@@ -45,11 +45,12 @@ _LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
-# where a family's names differ: Gemma's four norms; Phi-3's ffn_up holds gate and up rows fused
+# where a family's names differ: Gemma's four norms, GLM's MLP norm; Phi-3's ffn_up holds gate and up rows fused
 _ARCH_LAYER_NAMES = {
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "glm4moe": {"post_attention_norm": "post_attention_layernorm"},
 }
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 # tensors that are no weights: rope frequency factors, read into the config
