@@ -111,7 +111,8 @@ def write_gguf(hf_dir: Path, path: Path) -> Path:
     from safetensors.torch import load_file
 
     raw = json.loads((hf_dir / "config.json").read_text())
-    params = raw.get("rope_parameters") or {}  # transformers >= 5 writes rope settings here
+    params = raw.get("rope_parameters") or {}  # transformers >= 5 writes rope settings here (Gemma 3: per layer type)
+    params = params.get("full_attention", params)
     raw |= {"rope_theta": raw.get("rope_theta") or params.get("rope_theta", 10000.0),
             "partial_rotary_factor": raw.get("partial_rotary_factor") or params.get("partial_rotary_factor", 0.5),
             "rope_scaling": raw.get("rope_scaling") or (params if params.get("rope_type") != "default" else None)}
@@ -146,6 +147,8 @@ def _hparams(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         out |= {"attn_logit_softcapping": float(raw["attn_logit_softcapping"]),
                 "final_logit_softcapping": float(raw["final_logit_softcapping"])}
     scaling = raw.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        out |= {"rope.scaling.type": "linear", "rope.scaling.factor": float(scaling["factor"])}
     if arch == "phi3" and scaling:
         orig = raw.get("original_max_position_embeddings") or scaling["original_max_position_embeddings"]
         out |= {"rope.scaling.original_context_length": orig,

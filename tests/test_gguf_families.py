@@ -23,9 +23,18 @@ from tests.tiny_models import EXTRA, TINY, _write_model, greedy, tiny_model_dir
 pytest.importorskip("transformers")
 
 # family -> the tiny HF model: tiny_models' own, or one with what llama.cpp's file format can say (Qwen3-MoE: every
-# layer sparse; GLM-4-MoE: one expert group)
-VARIANTS = {"qwen3_moe": dict(mlp_only_layers=[]), "glm4_moe": dict(n_group=1, topk_group=1)}
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "glm4_moe")
+# layer sparse; GLM-4-MoE: one expert group; Gemma: the query scale head_dim ** -0.5; Gemma 3: five sliding layers
+# of six, their rope base 10000)
+GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+VARIANTS = {
+    "qwen3_moe": dict(mlp_only_layers=[]),
+    "glm4_moe": dict(n_group=1, topk_group=1),
+    "gemma2": dict(query_pre_attn_scalar=16),
+    "gemma3": dict(query_pre_attn_scalar=16, num_hidden_layers=6, layer_types=GEMMA3_LAYERS,
+                   rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
+                                        sliding_attention=dict(rope_type="default", rope_theta=10000.0))),
+}
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3", "glm4_moe")
 REL_TOL = 1e-5
 LENGTHS = (5, 12, 23, 25, 40, 50, 60, 63)
 
@@ -49,7 +58,10 @@ def test_gguf_gives_the_hf_directorys_tokens(converted, family):
     hf_dir, path = converted[family]
     want, got = (load_model(str(p), dtype=torch.float32) for p in (hf_dir, path))
     assert got.config.arch == want.config.arch == family
-    for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "sliding_window", "qk_norm",
+    assert [got.config.window(i) for i in range(got.config.num_layers)] == [
+        want.config.window(i) for i in range(want.config.num_layers)]
+    for field in ("rope_local_theta", "rope_theta", "query_scale", "attn_softcap", "final_softcap",
+                  "embed_scale", "num_layers", "num_heads", "num_kv_heads", "head_dim", "sliding_window", "qk_norm",
                   "attention_bias", "sparse_layers", "num_experts", "experts_per_token", "rotary_dim",
                   "normalize_expert_weights", "expert_weight_scale", "shared_expert_intermediate_size",
                   "tie_word_embeddings"):
