@@ -177,9 +177,3 @@ def test_template_is_sandboxed_and_can_raise(ours):
     )
     with pytest.raises(jinja2.exceptions.SecurityError):
         sneaky.apply_chat_template(CONVERSATIONS[0])
-
-
-@pytest.mark.fast
-def test_unsupported_gguf_tokenizer_is_a_clear_error():
-    with pytest.raises(ValueError, match="not supported"):
-        Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "llama"})

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfence.config import ModelConfig
+from kvfence.model.gguf_arch import gguf_config
 from kvfence.model.gguf_file import GGUFFile, read_gguf
 from kvfence.model.tokenizer import Tokenizer
 
@@ -52,7 +53,7 @@ def describe_model(model: str = SMOLLM2) -> tuple[str, ModelConfig, Tokenizer]:
     meta, parsed = read_gguf_metadata(path)
     return (
         model if model == SMOLLM2 else str(meta.get("general.name", path.stem)),
-        gguf_config(meta, {t.name for t in parsed.tensors}),
+        gguf_config(parsed),
         Tokenizer.from_gguf_fields(meta),
     )
 
@@ -107,25 +108,6 @@ def read_gguf_metadata(path: Path) -> tuple[dict[str, Any], GGUFFile]:
         time.perf_counter() - t0,
     )
     return parsed.metadata, parsed
-
-
-def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    heads = int(meta["llama.attention.head_count"])
-    hidden = int(meta["llama.embedding_length"])
-    return ModelConfig(
-        arch="llama",
-        vocab_size=len(meta["tokenizer.ggml.tokens"]),
-        hidden_size=hidden,
-        intermediate_size=int(meta["llama.feed_forward_length"]),
-        num_layers=int(meta["llama.block_count"]),
-        num_heads=heads,
-        num_kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
-        head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_context=int(meta["llama.context_length"]),
-        tie_word_embeddings="output.weight" not in tensor_names,
-    )
 
 
 # -- HF directory -----------------------------------------------------------------------------------------------

@@ -122,15 +122,18 @@ def _longrope(scaling: dict, theta: float, shape: torch.Tensor) -> tuple[torch.T
 
 
 def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
-    """Apply HF ``rope_scaling`` to ``inv_freq`` ``[D/2]``: none, linear or llama3 (these keep cos/sin unscaled)."""
+    """Apply HF ``rope_scaling`` to ``inv_freq`` ``[D/2]``: none, linear, llama3, or a GGUF's llama3 factors
+    (``freq_factors``: what llama3 computes, as llama.cpp's ``rope_freqs`` stores it); these keep cos/sin unscaled."""
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
     assert scaling is not None  # without one the kind is "default"
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind != "llama3":
-        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, longrope)")
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, longrope, freq_factors)")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_ctx = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq

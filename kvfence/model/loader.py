@@ -1,7 +1,9 @@
-"""Load a model: the bundled SmolLM2 GGUF, any llama-arch GGUF, or an HF directory (Llama, Qwen2, Qwen3, Mistral,
-Phi-3, Gemma 2, Gemma 3 text, Qwen3-MoE, GLM-4-MoE).
+"""Load a model: the bundled SmolLM2 GGUF, a GGUF of one of ``gguf_arch.ARCHS`` (llama, qwen2, qwen3, qwen3moe,
+phi3, gemma2, gemma3, glm4moe), or an HF directory (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 text,
+Qwen3-MoE, GLM-4-MoE).
 
-Every source ends as a state dict with HF names and HF layouts (GGUF Q/K rows un-permuted; GGUF Q4_1/Q8_0
+Every source ends as a state dict with HF names and HF layouts (GGUF Q/K rows of ``llama`` files un-permuted,
+Gemma's ``1 + w`` norms back to ``w``, stacked experts split per expert; GGUF Q4_1, Q8_0 and K-quant
 matrices as ``BlockWeight``s), a ``ModelConfig`` and a ``Tokenizer``; ``Model.from_state_dict`` then chooses the
 backend, fuses and casts the weights, keeping or dequantizing the blocks. Reading metadata alone
 (``describe_model``, what a router needs) lives in the torch-free ``kvfence.model.describe``; its public names
@@ -25,7 +27,6 @@ from kvfence.model.describe import (
     SMOLLM2,
     SMOLLM2_GGUF,
     describe_model,
-    gguf_config,
     hf_arch,
     hf_config,
     model_path,
@@ -33,6 +34,7 @@ from kvfence.model.describe import (
     safetensors_files,
     smollm2_gguf_path,
 )
+from kvfence.model.gguf_arch import gguf_config, hf_name
 from kvfence.model.llama import Model
 from kvfence.model.memory import release_free_memory
 from kvfence.model.tokenizer import Tokenizer
@@ -40,20 +42,6 @@ from kvfence.model.tokenizer import Tokenizer
 __all__ = ["SMOLLM2_GGUF", "LoadedModel", "describe_model", "load_model", "read_gguf_metadata", "smollm2_gguf_path"]
 
 log = logging.getLogger(__name__)
-
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
 
 @dataclass
 class LoadedModel:
@@ -96,44 +84,38 @@ def _load_gguf(path: Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor | B
     import gguf
 
     meta, parsed = read_gguf_metadata(path)
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    if (
-        any(t.name == "rope_freqs.weight" for t in parsed.tensors)
-        or meta.get("llama.rope.scaling.type", "none") != "none"
-    ):
-        raise ValueError(f"{path.name}: GGUF rope scaling is not supported")
+    cfg = gguf_config(parsed)  # refuses an architecture or feature kvfence does not compute
+    arch = meta["general.architecture"]
     t0 = time.perf_counter()
-    cfg = gguf_config(meta, {t.name for t in parsed.tensors})
     state: dict[str, torch.Tensor | BlockWeight] = {}
     for t in parsed.tensors:
+        name = hf_name(arch, t.name, cfg.num_layers)
+        if name is None:
+            continue
         shape = tuple(reversed(t.shape))
         if t.tensor_type.name in BLOCK_BYTES and len(shape) == 2:  # kept as blocks; the model expands what it must
             b = BlockWeight.from_gguf(t.tensor_type.name, parsed.tensor_data(t), shape)
-            state[_hf_name(t.name)] = BlockWeight(b.fmt, _unpermute_rope(t.name, b.rows, cfg))  # rows move whole
+            state[name] = BlockWeight(b.fmt, _unpermute_rope(t.name, b.rows, cfg))  # rows move whole
+            continue
+        arr = gguf.quants.dequantize(parsed.tensor_data(t), t.tensor_type).reshape(shape)
+        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors come back read-only
+        if cfg.norm_offset and t.name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp's Gemma converter stores 1 + w; kvfence keeps HF's w (exact: 1 + w is in [0.5, 2])
+        if "*" in name:  # experts stacked [E, rows, cols]: one HF name per expert
+            state.update((name.replace("*", str(e)), w[e]) for e in range(w.shape[0]))
         else:
-            arr = gguf.quants.dequantize(parsed.tensor_data(t), t.tensor_type).reshape(shape)
-            w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors come back read-only
-            state[_hf_name(t.name)] = _unpermute_rope(t.name, w, cfg)
+            state[name] = _unpermute_rope(t.name, w, cfg)
     log.info("read %d GGUF tensors in %.1fs", len(state), time.perf_counter() - t0)
     name = str(meta.get("general.name", path.stem))
     return name, cfg, state, Tokenizer.from_gguf_fields(meta)
 
 
-def _hf_name(gguf_name: str) -> str:
-    parts = gguf_name.split(".")  # blk.N.attn_q.weight | token_embd.weight
-    if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
-
-
 def _unpermute_rope(gguf_name: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Undo llama.cpp's ``w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)`` on Q and K rows (of any
-    row layout: a block weight's rows too)."""
-    if gguf_name.endswith("attn_q.weight"):
+    """Undo llama.cpp's ``w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)`` on a ``llama`` file's Q
+    and K rows (of any row layout: a block weight's rows too); the other architectures' files are not permuted."""
+    if cfg.arch == "llama" and gguf_name.endswith("attn_q.weight"):
         n_head = cfg.num_heads
-    elif gguf_name.endswith("attn_k.weight"):
+    elif cfg.arch == "llama" and gguf_name.endswith("attn_k.weight"):
         n_head = cfg.num_kv_heads
     else:
         return w

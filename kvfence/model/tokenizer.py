@@ -1,14 +1,18 @@
 """Tokenizer: text <-> token ids, chat templates, and streaming detokenization.
 
-Built either from a GGUF's metadata (byte-level BPE, the ``gpt2`` tokenizer model of llama.cpp) or from an HF
-directory's ``tokenizer.json``. Encoding never adds special tokens other than a BOS the model asks for; special
-tokens written in the text (``<|im_start|>``) map to their ids.
+Built either from a GGUF's metadata or from an HF directory's ``tokenizer.json``. A GGUF's
+``tokenizer.ggml.model`` is one of llama.cpp's: ``gpt2`` (byte-level BPE, split first as its ``tokenizer.ggml.pre``
+says: an unknown or missing one is refused), ``llama`` (SentencePiece BPE: the highest-scoring pair merges first,
+unknown characters fall back to ``<0xNN>`` byte tokens) or ``t5`` (SentencePiece Unigram: the best-scoring
+segmentation, Viterbi over the scores). Encoding never adds special tokens other than a BOS the model asks for;
+special tokens written in the text (``<|im_start|>``) map to their ids.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -16,14 +20,16 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
-from tokenizers.models import BPE
+from tokenizers.models import BPE, Unigram
 
 log = logging.getLogger(__name__)
 
 # llama.cpp token types (gguf.TokenType)
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
+_SPACE = "\u2581"  # SentencePiece's spelling of a space
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 
 # GGUF `tokenizer.ggml.pre` -> how text is split before BPE; every name here is what llama.cpp's
 # convert script writes for a known HF tokenizer.json, and the splits reproduce that tokenizer.json.
@@ -33,7 +39,9 @@ _LLAMA3_SPLIT = (
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")  # HF: Digits(individual) + ByteLevel
-_REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+_REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
+                 "deepseek-r1-qwen": _QWEN2_SPLIT}
+_GPT2_SPLIT = ("gpt2", "gpt-2")  # GPT-2's own split (ByteLevel's regex)
 
 # Token texts llama.cpp also treats as end of generation when the vocab marks them as control tokens.
 _EOG_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>")
@@ -65,22 +73,23 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
         self._token_bytes: dict[int, bytes] = {}
+        # SentencePiece pieces spell a space as U+2581 and a fallback byte as <0xNN>, whatever the decoder strips
+        self._sentencepiece = isinstance(backend.model, Unigram) or getattr(backend.model, "byte_fallback", False)
 
     # -- construction ---------------------------------------------------------------------------------------
 
     @classmethod
     def from_gguf_fields(cls, meta: dict[str, Any]) -> Tokenizer:
-        """Build from GGUF metadata already read into a dict (``tokenizer.ggml.*`` keys)."""
+        """Build from GGUF metadata already read into a dict (``tokenizer.ggml.*`` keys); ValueError, naming what
+        is supported, for another tokenizer model or a ``gpt2`` one whose pre-tokenizer is unknown or missing."""
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+        build = _GGUF_MODELS.get(model) if isinstance(model, str) else None
+        if build is None:
+            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2' byte-level BPE, "
+                             "'llama' SentencePiece BPE, 't5' SentencePiece Unigram)")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        bpe = BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False)
-        backend = Backend(bpe)
-        backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-        backend.decoder = decoders.ByteLevel()
+        types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+        backend = build(meta, tokens, types)
         backend.add_special_tokens(
             [
                 AddedToken(t, special=True, normalized=False)
@@ -114,7 +123,7 @@ class Tokenizer:
             bos_token=tok("bos_token_id"),
             eos_token=tok("eos_token_id"),
             eos_token_ids=eos_ids,
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
         )
 
     @classmethod
@@ -163,12 +172,18 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, even where they are part of a UTF-8 character (byte-level BPE spells
-        each byte as one character of its vocabulary); special tokens as their text."""
+        each byte as one character of its vocabulary, SentencePiece as a ``<0xNN>`` token), a SentencePiece space
+        as a space; special tokens as their text."""
         cached = self._token_bytes.get(token_id)
         if cached is None:
             piece = self.backend.id_to_token(token_id) or ""
+            byte = _BYTE_PIECE.fullmatch(piece)
             if isinstance(self.backend.decoder, decoders.ByteLevel) and all(c in _BYTE_OF_CHAR for c in piece):
                 cached = bytes(_BYTE_OF_CHAR[c] for c in piece)
+            elif self._sentencepiece and byte:
+                cached = bytes([int(byte.group(1), 16)])
+            elif self._sentencepiece:
+                cached = piece.replace(_SPACE, " ").encode()
             else:
                 cached = self.decode([token_id], skip_special_tokens=False).encode()
             self._token_bytes[token_id] = cached
@@ -250,8 +265,87 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_level_alphabet()
 
 
-def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer HF's own tokenizer.json uses for the vocabulary llama.cpp calls ``pre``."""
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], types: Sequence[int]) -> Backend:
+    """llama.cpp's ``gpt2`` model: byte-level BPE over the file's merges, after the split its ``pre`` names."""
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    backend = Backend(BPE(vocab=_vocab(tokens), merges=merges, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: Sequence[int]) -> Backend:
+    """llama.cpp's ``llama`` model (``llm_tokenizer_spm``): spaces become U+2581 (one prepended unless
+    ``add_space_prefix`` is false), then the adjacent pair whose joined piece scores highest merges, leftmost first,
+    until none joins into a normal piece; a character left without a piece becomes its UTF-8 bytes' ``<0xNN>``
+    tokens. As HF BPE: merges ranked by the joined piece's score. Two different pieces of one score would merge in
+    rank order rather than leftmost first; SentencePiece's scores are distinct."""
+    scores: Sequence[float] = meta["tokenizer.ggml.scores"]
+    vocab = _vocab(tokens)
+    ranked = []  # (-score of the joined piece, its id, split point, left, right)
+    for i, (piece, ty) in enumerate(zip(tokens, types, strict=True)):
+        if ty != _NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], i, cut, left, right))
+    ranked.sort()
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    bpe = BPE(vocab=vocab, merges=[(left, right) for *_, left, right in ranked], fuse_unk=True, byte_fallback=True,
+              unk_token=tokens[unk] if unk is not None else None)
+    return _with_spaces(Backend(bpe), meta, merge_spaces=False)
+
+
+def _sentencepiece_unigram(meta: dict[str, Any], tokens: list[str], types: Sequence[int]) -> Backend:
+    """llama.cpp's ``t5`` model (``llm_tokenizer_ugm``): the text normalized by the file's SentencePiece charsmap,
+    runs of spaces merged where ``remove_extra_whitespaces``, spaces as U+2581, then the segmentation whose pieces'
+    scores sum highest (Viterbi); an unknown character is the unknown token (scored 10 below the lowest piece)."""
+    if meta.get("tokenizer.ggml.treat_whitespace_as_suffix"):
+        raise ValueError("GGUF t5 tokenizer with treat_whitespace_as_suffix is not supported")
+    scores: Sequence[float] = meta["tokenizer.ggml.scores"]
+    unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    byte_fallback = _BYTE in types
+    backend = Backend(Unigram([(t, float(s)) for t, s in zip(tokens, scores, strict=True)], unk, byte_fallback))
+    return _with_spaces(backend, meta, merge_spaces=bool(meta.get("tokenizer.ggml.remove_extra_whitespaces")))
+
+
+def _with_spaces(backend: Backend, meta: dict[str, Any], merge_spaces: bool) -> Backend:
+    """A SentencePiece model's normalizer and decoder: the charsmap if the file has one; where ``merge_spaces``,
+    no space at either end and one in each run of them, and a space before the text; else a space before the text
+    unless ``add_space_prefix`` is false; every space spelled U+2581. Decoding undoes it (bytes fused, the first
+    space dropped where one was prepended)."""
+    steps: list[normalizers.Normalizer] = []
+    charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap:
+        steps.append(normalizers.Precompiled(bytes(b & 0xFF for b in charsmap)))
+    if merge_spaces:
+        steps += [normalizers.Replace(Regex("^ +| +$"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    prefix = merge_spaces or bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    if prefix:
+        steps.append(normalizers.Prepend(" "))
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if prefix else [])
+    )
+    return backend
+
+
+_GGUF_MODELS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe, "t5": _sentencepiece_unigram}
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    """Each piece's id; a piece listed twice keeps its first id (as llama.cpp's ``token_to_id``)."""
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    return vocab
+
+
+def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer HF's own tokenizer.json uses for the vocabulary llama.cpp calls ``pre``; ValueError for a
+    name not known here (or none): a wrong split gives other tokens than the model was trained on."""
     if pre in _DIGITS_THEN_GPT2:
         return pre_tokenizers.Sequence(
             [
@@ -266,9 +360,10 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    if pre not in ("default", "gpt2", "gpt-2"):
-        log.warning("unknown GGUF pre-tokenizer %r; using the GPT-2 split", pre)
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GPT2_SPLIT:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    known = ", ".join(sorted([*_DIGITS_THEN_GPT2, *_REGEX_SPLITS, *_GPT2_SPLIT]))
+    raise ValueError(f"GGUF BPE pre-tokenizer (tokenizer.ggml.pre) {pre!r} is not supported (supported: {known})")
 
 
 def _jinja_env() -> ImmutableSandboxedEnvironment:

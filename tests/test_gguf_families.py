@@ -1,0 +1,93 @@
+"""GGUF architectures beyond the bundled SmolLM2: each family's tiny random-weight HF model
+(``tests/tiny_models.py``, built with transformers' own config class) converted to a GGUF as llama.cpp converts it
+(``tests/gguf_convert.py``: its names, llama's Q/K permutation, llama3's ``rope_freqs`` factors, Phi-3's fused
+tensors and longrope factors, stacked experts) loads through kvfence and gives the greedy tokens of the HF directory
+loaded through kvfence (which ``test_model.py`` and ``test_families.py`` check against transformers).
+
+Tolerance, float32: logits within 1e-5 x the largest logit of the HF directory's (measured: identical for every
+family but those whose rope factors llama.cpp stores in float32, llama3 and Phi-3's attention factor, where the
+rope tables differ in the last bits).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfence.kvcache.pool import KVPool
+from kvfence.model.loader import load_model
+from tests.gguf_convert import write_gguf
+from tests.test_model import assert_close, prefill, varied_text
+from tests.tiny_models import EXTRA, TINY, _write_model, greedy, tiny_model_dir
+
+pytest.importorskip("transformers")
+
+# family -> the tiny HF model: tiny_models' own, or one with what llama.cpp's file format can say (Qwen3-MoE: every
+# layer sparse; GLM-4-MoE: one expert group; Gemma: the query scale head_dim ** -0.5; Gemma 3: five sliding layers
+# of six, their rope base 10000)
+GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+VARIANTS = {
+    "qwen3_moe": dict(mlp_only_layers=[]),
+    "glm4_moe": dict(n_group=1, topk_group=1),
+    "gemma2": dict(query_pre_attn_scalar=16),
+    "gemma3": dict(query_pre_attn_scalar=16, num_hidden_layers=6, layer_types=GEMMA3_LAYERS,
+                   rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
+                                        sliding_attention=dict(rope_type="default", rope_theta=10000.0))),
+}
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3", "glm4_moe")
+REL_TOL = 1e-5
+LENGTHS = (5, 12, 23, 25, 40, 50, 60, 63)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """family -> (HF directory, its GGUF)."""
+    root, out = tmp_path_factory.mktemp("gguf"), {}
+    for family in FAMILIES:
+        hf_dir = tiny_model_dir(family)
+        if family in VARIANTS:
+            hf_dir = root / family
+            _write_model({**TINY, **EXTRA[family], **VARIANTS[family]}, family, 11, torch.float32, hf_dir)
+        out[family] = hf_dir, write_gguf(hf_dir, root / f"{family}.gguf")
+    return out
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_gives_the_hf_directorys_tokens(converted, family):
+    hf_dir, path = converted[family]
+    want, got = (load_model(str(p), dtype=torch.float32) for p in (hf_dir, path))
+    assert got.config.arch == want.config.arch == family
+    assert [got.config.window(i) for i in range(got.config.num_layers)] == [
+        want.config.window(i) for i in range(want.config.num_layers)]
+    for field in ("rope_local_theta", "rope_theta", "query_scale", "attn_softcap", "final_softcap",
+                  "embed_scale", "num_layers", "num_heads", "num_kv_heads", "head_dim", "sliding_window", "qk_norm",
+                  "attention_bias", "sparse_layers", "num_experts", "experts_per_token", "rotary_dim",
+                  "normalize_expert_weights", "expert_weight_scale", "shared_expert_intermediate_size",
+                  "tie_word_embeddings"):
+        assert getattr(got.config, field) == getattr(want.config, field), field
+    assert got.tokenizer.encode("x = 12 ü") == want.tokenizer.encode("x = 12 ü")
+    ids = want.tokenizer.encode(varied_text(250, seed=3))[:300]  # past llama3's 256 and Phi-3's 64 positions
+    logits = [prefill(m.model, [ids], KVPool(m.config, 32, 16, torch.float32)) for m in (want, got)]
+    assert_close(logits[1], logits[0], REL_TOL)
+    for i, n in enumerate(LENGTHS):
+        prompt = want.tokenizer.encode(varied_text(n, seed=i))[:n]
+        assert greedy(got.model, prompt, 12) == greedy(want.model, prompt, 12), n
+
+
+@pytest.mark.fast
+def test_unsupported_gguf_architecture_and_rope_scaling_are_refused(tmp_path):
+    from kvfence.model.gguf_arch import gguf_config
+    from kvfence.model.gguf_file import read_gguf
+    from tests.gguf_convert import write_fields
+
+    base = {"tokenizer.ggml.tokens": ["a"], "embedding_length": 8, "attention.head_count": 2, "block_count": 1,
+            "feed_forward_length": 8, "context_length": 64}
+    path = write_fields(tmp_path / "m.gguf", "falcon", {f"falcon.{k}" if "." not in k or k.startswith("attention")
+                                                          else k: v for k, v in base.items()})
+    with pytest.raises(ValueError, match="m.gguf: GGUF architecture 'falcon' is not supported .*qwen3moe"):
+        gguf_config(read_gguf(path))
+    fields = {k if k.startswith("tokenizer") else f"llama.{k}": v for k, v in base.items()}
+    path = write_fields(tmp_path / "y.gguf", "llama", fields | {"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        gguf_config(read_gguf(path))
