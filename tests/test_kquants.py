@@ -137,6 +137,7 @@ def write_kquant_llama(path: Path, formats: dict[str, str] = FORMATS) -> None:
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
     w.add_token_list(meta["tokenizer.ggml.tokens"])
     w.add_token_types(meta["tokenizer.ggml.token_type"])
     w.add_token_merges(meta["tokenizer.ggml.merges"])
