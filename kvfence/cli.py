@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from kvfence import env
 from kvfence.cluster import ENV
-from kvfence.config import POOL_DEFAULTS, Timeouts, default_pool_tokens
+from kvfence.config import POOL_DEFAULTS, default_pool_tokens
 from kvfence.tools.audit import non_negative_int, positive_int
 
 DTYPES = ("bfloat16", "float32")
@@ -412,7 +412,6 @@ def cluster_key_or_exit(args: argparse.Namespace, addresses: dict[str, str | Non
 
 
 def serve_colocated(args: argparse.Namespace) -> int:
-    from kvfence.config import EngineConfig
     from kvfence.engine.engine import Engine
     from kvfence.engine.local import LocalEngine
     from kvfence.model.memory import freeze_loaded_objects
@@ -423,10 +422,7 @@ def serve_colocated(args: argparse.Namespace) -> int:
     loaded, max_context = load(args)
     pool = args.kv_pool_tokens or default_pool_tokens(max_context, "colocated")
     refuse_to_start_unless_fits("colocated", pool, args.page_size, max_context)
-    config = EngineConfig(max_context=max_context, kv_pool_tokens=pool,
-                          page_size=args.page_size, max_batch=args.max_batch, chunk_size=args.chunk_size,
-                          step_tokens=args.step_tokens, fair=args.scheduling == "fair",
-                          prefix_caching=args.enable_prefix_caching)
+    config = engine_config(args, "colocated", max_context, pool)
     engine = Engine(loaded.model, loaded.tokenizer, config, dtype_of(args), args.device)
     freeze_loaded_objects()
     log.info("colocated engine: KV pool %d tokens (%d pages of %d, %.0f MiB)", config.num_pages * config.page_size,
@@ -530,30 +526,37 @@ def local_threads(args: argparse.Namespace) -> tuple[int, dict[str, int]]:
     return threads, {"prefill": solo if args.prefill == 1 else 0, "decode": solo}
 
 
+def engine_config(args: argparse.Namespace, role: str, max_context: int, pool_tokens: int):
+    """The one place the engine's limits come from the command line (colocated engine and workers alike)."""
+    from kvfence.config import EngineConfig
+
+    return EngineConfig(max_context=max_context, kv_pool_tokens=pool_tokens, page_size=args.page_size,
+                        max_batch=args.max_batch, chunk_size=args.chunk_size, step_tokens=args.step_tokens,
+                        fair=args.scheduling == "fair", prefix_caching=args.enable_prefix_caching, role=role)
+
+
 def worker_settings(args, role: str, bind: str, router: str, max_context: int, pool_tokens: int,
                     advertise: str | None = None, threads: int | None = None, solo_threads: int = 0, key=None):
     from kvfence.workers.settings import WorkerSettings
 
     return WorkerSettings(
-        role=role, bind=bind, router=router, model=args.model, dtype=args.dtype, device=args.device,
-        max_context=max_context, pool_tokens=pool_tokens, page_size=args.page_size, chunk_size=args.chunk_size,
-        step_tokens=args.step_tokens,
-        max_batch=args.max_batch, transfer=args.transfer, advertise=advertise,
+        bind=bind, router=router, model=args.model, dtype=args.dtype, device=args.device,
+        engine=engine_config(args, role, max_context, pool_tokens), transfer=args.transfer, advertise=advertise,
         emulate_incident=getattr(args, "emulate_incident", False),
         threads=args.threads if threads is None else threads, solo_threads=solo_threads, log_level=args.log_level,
-        handoff_timeout=args.handoff_timeout, scheduling=args.scheduling, cluster_key=key,
-        prefix_caching=args.enable_prefix_caching)
+        handoff_timeout=args.handoff_timeout, cluster_key=key)
 
 
 def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_context: int, expected: int, tenants,
                        key=None):
     from kvfence.router.remote import RemoteEngine
+    from kvfence.router.settings import RouterSettings
     from kvfence.safety import Safety
 
     policy, limits = capacity_of(args, tenants)
-    return RemoteEngine(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected,
-                        silence_timeout=Timeouts(args.handoff_timeout).silence, cluster_key=key, policy=policy,
-                        limits=limits, worker_timeout=args.worker_timeout)
+    return RemoteEngine(RouterSettings(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected,
+                                       handoff_timeout=args.handoff_timeout, cluster_key=key, policy=policy,
+                                       limits=limits, worker_timeout=args.worker_timeout))
 
 
 def run_http(args: argparse.Namespace, engine, tokenizer, tenants, supervisor) -> int:
@@ -608,7 +611,7 @@ async def announce_ready(engine, args) -> None:
     t0 = time.monotonic()
     while not await engine.wait_for_workers(timeout=30):
         log.info("waiting for workers (%d of %d joined, %.0fs)...", len(engine.core.workers),
-                 engine.expected_workers, time.monotonic() - t0)
+                 engine.settings.expected_workers, time.monotonic() - t0)
     log.info("ready: http://%s:%d/v1 (model %s, %d workers)", args.host, args.port, engine.model_name,
              len(engine.core.workers))
 

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+from kvfence.config import EngineConfig
 from kvfence.core import KvfenceError, Request, SamplingParams
 from kvfence.protocol.actions import Deliver
 from kvfence.protocol.capacity import DispatchLimits
@@ -61,10 +62,11 @@ class Pair:
                  emulate_incident: bool = False, dtype: str = "float32", step_tokens: int = 512,
                  handoff_timeout: float = 30.0, limits: DispatchLimits | None = None) -> None:
         def settings(role: str, pool: int) -> WorkerSettings:
-            return WorkerSettings(role=role, bind=f"tcp://127.0.0.1:{free_port()}", router=ROUTER, model=model,
-                                  dtype=dtype, device="cpu", max_context=max_context, pool_tokens=pool,
-                                  page_size=page_size, chunk_size=64, step_tokens=step_tokens,
-                                  emulate_incident=emulate_incident, handoff_timeout=handoff_timeout)
+            engine = EngineConfig(max_context=max_context, kv_pool_tokens=pool, page_size=page_size, chunk_size=64,
+                                  step_tokens=step_tokens, prefix_caching=True, role=role)
+            return WorkerSettings(bind=f"tcp://127.0.0.1:{free_port()}", router=ROUTER, model=model, dtype=dtype,
+                                  device="cpu", engine=engine, emulate_incident=emulate_incident,
+                                  handoff_timeout=handoff_timeout)
 
         self.prefill = PrefillWorker(settings("prefill", prefill_pool))
         self.decode = DecodeWorker(settings("decode", decode_pool))

@@ -24,6 +24,7 @@ from kvfence.protocol.messages import Hello, Output
 from kvfence.protocol.router import RouterCore
 from kvfence.router.app import create_app
 from kvfence.router.remote import RemoteEngine
+from kvfence.router.settings import RouterSettings
 from kvfence.router.tenants import TenantConfigError, Tenants
 from kvfence.safety import Safety
 from kvfence.workers.supervisor import free_tcp_address
@@ -349,7 +350,7 @@ def test_core_drain_outlives_a_restart_of_the_worker():
 @contextlib.contextmanager
 def remote_engine():
     """A RemoteEngine whose workers are Hello messages fed to its core (nothing listens at their addresses)."""
-    engine = RemoteEngine(free_tcp_address(), MODEL, 64, Safety())
+    engine = RemoteEngine(RouterSettings(free_tcp_address(), MODEL, 64))
     for worker, role in (("tcp://127.0.0.1:1001", "decode"), ("tcp://127.0.0.1:1002", "prefill")):
         engine.core.worker_up(hello(worker, role))
     try:

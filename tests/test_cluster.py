@@ -27,7 +27,7 @@ from kvfence.cluster import ClusterKey, ClusterKeyError, is_local, key_from, req
 from kvfence.core import Request, SamplingParams
 from kvfence.protocol.messages import Done, ErrorInfo, Hello, Output, Reject, encode_message
 from kvfence.router.remote import RemoteEngine
-from kvfence.safety import Safety
+from kvfence.router.settings import RouterSettings
 from kvfence.workers.supervisor import free_tcp_address
 from tests.server import ROOT
 from tests.sides import side
@@ -256,8 +256,8 @@ class Router:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.address = free_tcp_address()
-        self.engine: RemoteEngine = self.call(lambda: RemoteEngine(self.address, "llama", 4096, Safety(),
-                                                                   cluster_key=key))
+        self.engine: RemoteEngine = self.call(lambda: RemoteEngine(RouterSettings(self.address, "llama", 4096,
+                                                                                  cluster_key=key)))
         self.call(self.engine.start)
 
     def call(self, fn):
@@ -452,6 +452,7 @@ def test_mooncake_lets_any_process_that_reaches_it_read_and_write_a_limit_kvfenc
     learn to refuse, this test fails and the docs must change."""
     from mooncake.engine import TransferEngine
 
+    from kvfence.config import EngineConfig
     from kvfence.transfer.base import Region
     from kvfence.transfer.harness import TargetProcess
     from kvfence.workers.settings import WorkerSettings
@@ -474,6 +475,6 @@ def test_mooncake_lets_any_process_that_reaches_it_read_and_write_a_limit_kvfenc
         rogue.unregister_memory(region.address)
         target.close()
     for transfer, warned in (("mooncake", True), ("nixl", True), ("tcp", False), ("shm", False)):
-        settings = WorkerSettings("decode", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "m", "bfloat16", "cpu", 64, 64,
-                                  transfer=transfer)
+        settings = WorkerSettings("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "m", "bfloat16", "cpu",
+                                  EngineConfig(64, 64, role="decode"), transfer=transfer)
         assert (settings.data_plane_caveat() is not None) is warned

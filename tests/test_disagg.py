@@ -195,10 +195,11 @@ def test_malformed_control_messages_are_dropped_not_fatal(four_workers, cluster_
 
 @pytest.mark.fast
 def test_data_plane_addresses_follow_the_workers_control_addresses():
+    from kvfence.config import EngineConfig
     from kvfence.workers.settings import WorkerSettings
 
     def options(transfer: str, side: str, bind: str, advertise: str | None = None) -> dict:
-        settings = WorkerSettings("decode", bind, "tcp://10.0.0.1:5550", "m", "bf16", "cpu", 64, 64,
+        settings = WorkerSettings(bind, "tcp://10.0.0.1:5550", "m", "bf16", "cpu", EngineConfig(64, 64, role="decode"),
                                   transfer=transfer, advertise=advertise)
         return settings.data_plane_options(side)
 

@@ -25,37 +25,29 @@ import time
 from collections.abc import AsyncIterator
 
 from kvfence.channel import Channel
-from kvfence.cluster import ClusterKey
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.faults import Faults
 from kvfence.protocol.actions import Deliver
-from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
 from kvfence.protocol.executor import RouterExecutor
 from kvfence.protocol.messages import Admit, Envelope, Hello, Message
 from kvfence.protocol.router import RouterCore, WorkerInfo
 from kvfence.router.admin import RecentRoutes, Route
-from kvfence.safety import Safety
+from kvfence.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
 SUSPECT_S = 2.0  # four heartbeats missed; local deaths are seen sooner: the supervisor watches exit codes
-WORKER_TIMEOUT_S = 15.0  # silent this long, a worker is declared dead (--worker-timeout)
 POLL_S = 0.01  # the inbox is also polled this often, should a wake-up be missed
 
 
 class RemoteEngine:
-    def __init__(self, bind: str, model_name: str, max_context: int, safety: Safety, advertise: str | None = None,
-                 expected_workers: int = 0, silence_timeout: float = 120.0, cluster_key: ClusterKey | None = None,
-                 policy: QueuePolicy | None = None, limits: DispatchLimits | None = None,
-                 worker_timeout: float = WORKER_TIMEOUT_S) -> None:
-        """``cluster_key``: only its holders can join (``Channel``); without one, ``bind`` must stay on this host."""
-        self.channel = Channel(bind, advertise, Faults.from_env(), cluster_key)
+    def __init__(self, settings: RouterSettings) -> None:
+        s = self.settings = settings
+        self.channel = Channel(s.bind, s.advertise, Faults.from_env(), s.cluster_key)
         self.me = self.channel.me
-        self.model_name, self.max_context = model_name, max_context
-        self.core = RouterCore(self.me, max_context, safety, silence_timeout, policy, limits)
+        self.model_name, self.max_context = s.model_name, s.max_context
+        self.core = RouterCore(self.me, s.max_context, s.safety, s.timeouts.silence, s.policy, s.limits)
         self.executor = RouterExecutor(self.core, self, self, time.monotonic)
-        self.expected_workers = expected_workers
-        self.worker_timeout = worker_timeout
         self._sinks: dict[int, asyncio.Queue] = {}
         self._dispatched: dict[int, float] = {}  # rid -> when it left the queue, until its first output
         self.assigned: dict[str, int] = {}  # requests sent to each worker since start
@@ -159,7 +151,7 @@ class RemoteEngine:
         """Wait until ``expected_workers`` have said Hello."""
         self._ensure_started()
         deadline = time.monotonic() + timeout
-        while len(self.core.workers) < self.expected_workers:
+        while len(self.core.workers) < self.settings.expected_workers:
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.05)
@@ -215,7 +207,7 @@ class RemoteEngine:
             now = time.monotonic()
             self.executor.tick()
             for worker, seen in list(self._last_seen.items()):
-                if now - seen > self.worker_timeout:
+                if now - seen > self.settings.worker_timeout:
                     log.error("worker %s silent for %.1fs: declaring it dead and fencing it", worker, now - seen)
                     self.worker_died(worker, fenced=True)
                 elif now - seen > SUSPECT_S and worker not in self.core.suspected:

@@ -19,7 +19,6 @@ import torch
 import zmq
 
 from kvfence.channel import Channel, HandshakeWatch, connect_push
-from kvfence.config import EngineConfig
 from kvfence.engine.engine import Engine
 from kvfence.faults import Faults
 from kvfence.kvcache.layout import KVLayout
@@ -70,20 +69,15 @@ class WorkerBase:
 
     # -- setup helpers --------------------------------------------------------------
 
-    def layout(self, pool_tokens: int) -> KVLayout:
+    def layout(self) -> KVLayout:
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        return KVLayout.of(self.loaded.config, pool_tokens // self.settings.page_size, self.settings.page_size,
-                           dtype_bytes)
+        engine = self.settings.engine
+        return KVLayout.of(self.loaded.config, engine.num_pages, engine.page_size, dtype_bytes)
 
-    def make_pool(self, pool_tokens: int, buffer: memoryview) -> KVPool:
-        return KVPool(self.loaded.config, pool_tokens // self.settings.page_size, self.settings.page_size,
-                      self.dtype, self.settings.device, buffer=buffer)
-
-    def engine_config(self, pool_tokens: int) -> EngineConfig:
-        s = self.settings
-        return EngineConfig(max_context=s.max_context, kv_pool_tokens=pool_tokens, page_size=s.page_size,
-                            max_batch=s.max_batch, chunk_size=s.chunk_size, step_tokens=s.step_tokens,
-                            fair=s.scheduling == "fair", prefix_caching=s.prefix_caching, role=self.role)
+    def make_pool(self, buffer: memoryview) -> KVPool:
+        engine = self.settings.engine
+        return KVPool(self.loaded.config, engine.num_pages, engine.page_size, self.dtype, self.settings.device,
+                      buffer=buffer)
 
     def set_threads(self, other_role_idle: bool) -> None:
         """With ``solo_threads``, the worker computes on that many threads while the other role idles, else on its
@@ -131,8 +125,9 @@ class WorkerBase:
         if banner:
             print(banner, file=sys.stderr, flush=True)
         key = self.settings.cluster_key
-        log.info("%s worker %s ready (pool %d tokens, transfer %s, %s)", self.role, self.me, self.settings.pool_tokens,
-                 self.settings.transfer, f"cluster {key.fingerprint}" if key else "no cluster key: loopback only")
+        log.info("%s worker %s ready (pool %d tokens, transfer %s, %s)", self.role, self.me,
+                 self.settings.engine.kv_pool_tokens, self.settings.transfer,
+                 f"cluster {key.fingerprint}" if key else "no cluster key: loopback only")
         caveat = self.settings.data_plane_caveat()
         if caveat:
             log.warning(caveat)

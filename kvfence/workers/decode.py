@@ -33,14 +33,12 @@ class DecodeWorker(WorkerBase):
         super().__init__(settings)
         from kvfence.transfer.base import make_target
 
-        layout = self.layout(settings.pool_tokens)
-        self.target = make_target(settings.transfer, layout.nbytes, **settings.data_plane_options("target"))
-        pool = self.make_pool(settings.pool_tokens, self.target.buffer)
-        self._engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
-                              self.dtype, pool=pool, safety=self.safety, remote_writes=True)
-        timeouts = settings.timeouts
-        limits = DecodeLimits(settings.max_context, settings.page_size, timeouts.handoff, abort_timeout=timeouts.abort,
-                              page_wait_timeout=timeouts.wait, fair=settings.scheduling == "fair")
+        config, timeouts = settings.engine, settings.timeouts
+        self.target = make_target(settings.transfer, self.layout().nbytes, **settings.data_plane_options("target"))
+        self._engine = Engine(self.loaded.model, self.loaded.tokenizer, config, self.dtype,
+                              pool=self.make_pool(self.target.buffer), safety=self.safety, remote_writes=True)
+        limits = DecodeLimits(config.max_context, config.page_size, timeouts.handoff, abort_timeout=timeouts.abort,
+                              page_wait_timeout=timeouts.wait, fair=config.fair)
         self.core = DecodeCore(self.me, settings.router, self._engine.pages, limits, self.safety, self._verify)
         self._executor = DecodeExecutor(self.core, self, self.channel, time.monotonic)
         self.verified: dict[int, str] = {}  # rid -> how its landing was verified, for its last Output
@@ -64,8 +62,8 @@ class DecodeWorker(WorkerBase):
     def hello(self) -> Hello:
         sched, pages = self._engine.scheduler, self._engine.pages
         side = DecodeSide(self.target.descriptor(), pages.num_pages)
-        return Hello(self.me, self.me, side, self.settings.pool_tokens,
-                     self.settings.max_context, free_pages=self._engine.free_pages,
+        return Hello(self.me, self.me, side, self.settings.engine.kv_pool_tokens,
+                     self.settings.engine.max_context, free_pages=self._engine.free_pages,
                      queued_tokens=len(self.core.waiting), running=len(sched.running), pid=os.getpid(),
                      quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(), total_pages=pages.num_pages, cpu=self.cpu,
@@ -95,7 +93,7 @@ class DecodeWorker(WorkerBase):
     def _verify(self, rid: int, grants: list[PageGrant], expected_tokens: int, checksum: int) -> str | None:
         s = self.safety
         if self.flip_random is not None and self.faults is not None and self.flip_random.random() < self.faults.flip:
-            self._flip_landed_byte(grants[0].page, min(expected_tokens, self.settings.page_size))
+            self._flip_landed_byte(grants[0].page, min(expected_tokens, self.settings.engine.page_size))
         region = self._engine.pool.region
         assert region is not None  # a decode pool lies on the data plane's region
         problem = check_landing(region, rid, [(g.page, g.epoch) for g in grants], expected_tokens,

@@ -182,13 +182,12 @@ class PrefillWorker(WorkerBase):
         super().__init__(settings)
         from kvfence.transfer.base import make_initiator
 
-        layout = self.layout(settings.pool_tokens)
-        self.initiator = make_initiator(settings.transfer, layout.nbytes, **settings.data_plane_options("initiator"))
-        self.runner = PrefillRunner(self.loaded.model, self.loaded.tokenizer, self.engine_config(settings.pool_tokens),
-                                    self.dtype, pool=self.make_pool(settings.pool_tokens, self.initiator.buffer),
-                                    initiator=self.initiator)
-        timeouts = settings.timeouts
-        limits = PrefillLimits(settings.max_context, settings.pool_tokens, settings.page_size, timeouts.wait,
+        config, timeouts = settings.engine, settings.timeouts
+        self.initiator = make_initiator(settings.transfer, self.layout().nbytes,
+                                        **settings.data_plane_options("initiator"))
+        self.runner = PrefillRunner(self.loaded.model, self.loaded.tokenizer, config, self.dtype,
+                                    pool=self.make_pool(self.initiator.buffer), initiator=self.initiator)
+        limits = PrefillLimits(config.max_context, config.kv_pool_tokens, config.page_size, timeouts.wait,
                                orphan_dest_timeout=timeouts.orphan_dest)
         self.core = PrefillCore(self.me, settings.router, limits, self.safety, settings.emulate_incident)
         self.peers = Peers({})  # the decode workers' data planes, as the router last sent them
@@ -210,8 +209,8 @@ class PrefillWorker(WorkerBase):
         sched = self.runner.scheduler
         queued = sum(s.req.prompt_len - s.num_computed for s in (*sched.waiting, *sched.running))
         pages, cache = self.runner.pages, self.runner.cache
-        return Hello(self.me, self.me, PrefillSide(self.peers.digest()), self.settings.pool_tokens,
-                     self.settings.max_context, free_pages=self.runner.free_pages, queued_tokens=queued,
+        return Hello(self.me, self.me, PrefillSide(self.peers.digest()), self.settings.engine.kv_pool_tokens,
+                     self.settings.engine.max_context, free_pages=self.runner.free_pages, queued_tokens=queued,
                      running=len(sched.running), pid=os.getpid(), quarantined_pages=pages.num_quarantined,
                      quarantine_reasons=pages.quarantine_reasons(),
                      total_pages=pages.num_pages, cpu=self.cpu,

@@ -7,25 +7,19 @@ import socket
 from dataclasses import dataclass
 
 from kvfence.cluster import ClusterKey, is_loopback, tcp_host
-from kvfence.config import Timeouts
+from kvfence.config import EngineConfig, Timeouts
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
     """Everything a worker process needs to start (picklable: it crosses the process spawn)."""
 
-    role: str  # "prefill" | "decode"
     bind: str  # ZeroMQ address to bind the inbox to (its id unless ``advertise`` is set)
     router: str  # the router's inbox address
     model: str
     dtype: str
     device: str
-    max_context: int
-    pool_tokens: int
-    page_size: int = 16
-    chunk_size: int = 512
-    step_tokens: int = 512
-    max_batch: int = 64
+    engine: EngineConfig  # the worker's limits (its ``role`` is this worker's)
     transfer: str = "shm"
     advertise: str | None = None
     emulate_incident: bool = False
@@ -33,9 +27,12 @@ class WorkerSettings:
     solo_threads: int = 0  # threads when the other role idles (decode: no prefill pending; prefill: idle_pair)
     log_level: str = "INFO"
     handoff_timeout: float = 30.0  # a handoff (pages granted -> Done) may go this long without progress
-    scheduling: str = "fair"  # "fair": tenants' fair share orders the work; "fcfs": arrival order
     cluster_key: ClusterKey | None = None  # membership (cluster.py); crosses the spawn in the pickle, never on disk
-    prefix_caching: bool = True  # prefill: reuse prompt prefixes' KV within a tenant (decode never caches)
+
+    @property
+    def role(self) -> str:
+        """"prefill" or "decode"."""
+        return self.engine.role
 
     @property
     def timeouts(self) -> Timeouts:
