@@ -301,23 +301,38 @@ static inline void expand_q45k_block(const uint8_t *sb, int fmt, uint16_t *out) 
     }
 }
 
+/* One Q6_K super-block -> its 256 bf16, bf16(d scale_g (q - 32)) per weight: per half of 128 weights, 32 bytes each
+ * of the low nibbles (two runs) and of the high bits are widened to 16-bit lanes, so four runs of 32 6-bit values
+ * come out of a few shifts and masks (blocks.h's kquant_unpack, 32 weights at a time). */
+static inline void expand_q6k_block(const uint8_t *sb, uint16_t *out) {
+    float D[16], M[16];
+    kquant_scales(sb, FMT_Q6_K, D, M);
+    const __m512i low = _mm512_set1_epi16(0x0f), bits45 = _mm512_set1_epi16(0x30), off = _mm512_set1_epi16(32);
+    for (int h = 0; h < 2; h++) {
+        const __m512i a = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(sb + 64 * h)));
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32)));
+        const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h)));
+        const __m512i runs[4] = { /* weights 128 h + 32 r + l, l = 0 .. 31: q - 32 */
+            _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(c, 4), bits45)), off),
+            _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(c, 2), bits45)), off),
+            _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(a, 4), _mm512_and_si512(c, bits45)), off),
+            _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(b, 4), _mm512_and_si512(_mm512_srli_epi16(c, 2), bits45)), off),
+        };
+        for (int r = 0; r < 4; r++) {
+            const int g = 8 * h + 2 * r; /* the run's two groups of 16 */
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(runs[r])));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(runs[r], 1)));
+            _mm512_storeu_si512(out + 128 * h + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_mul_ps(_mm512_set1_ps(D[g + 1]), hi), _mm512_mul_ps(_mm512_set1_ps(D[g]), lo)));
+        }
+    }
+}
+
 /* One K-quant row of K weights (K % 256 == 0) -> K bf16 at out. */
 static void expand_kquant_row(const uint8_t *row, int fmt, int64_t K, uint16_t *out) {
-    int8_t q[QK_K];
-    float D[16], M[16];
     for (int64_t s = 0; s < K / QK_K; s++, out += QK_K) {
-        if (fmt != FMT_Q6_K) {
-            expand_q45k_block(row + s * BLOCK_BYTES[fmt], fmt, out);
-            continue;
-        }
-        kquant_unpack(row + s * BLOCK_BYTES[fmt], fmt, q, D, M);
-        for (int g = 0; g < 16; g += 2) {
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g))));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g + 16))));
-            _mm512_storeu_si512(out + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(
-                _mm512_fmsub_ps(_mm512_set1_ps(D[g + 1]), hi, _mm512_set1_ps(M[g + 1])),
-                _mm512_fmsub_ps(_mm512_set1_ps(D[g]), lo, _mm512_set1_ps(M[g]))));
-        }
+        if (fmt == FMT_Q6_K) expand_q6k_block(row + s * BLOCK_BYTES[fmt], out);
+        else expand_q45k_block(row + s * BLOCK_BYTES[fmt], fmt, out);
     }
 }
 
