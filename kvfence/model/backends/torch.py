@@ -78,14 +78,18 @@ class TorchBackend:
         t0, self._threads = time.perf_counter(), torch.get_num_threads()
         for layer in self.weights.layers:
             for w in layer.all_matmul_weights():
-                key = (tuple(w.shape), w.dtype)
-                if key not in self._blocks and not self._in_c(w):
-                    self._blocks[key] = invariant.calibrate(*w.shape, w.dtype, str(w.device), self._threads)
-        head = self.weights.lm_head  # sees one row per chunk: no large call sizes (checking them would cost seconds)
-        if not self._in_c(head):
+                if self._in_c(w):
+                    continue
+                t = _dense(w)
+                key = (tuple(t.shape), t.dtype)
+                if key not in self._blocks:
+                    self._blocks[key] = invariant.calibrate(*t.shape, t.dtype, str(t.device), self._threads)
+        if not self._in_c(self.weights.lm_head):
+            # the head sees one row per chunk: no large call sizes (checking them would cost seconds)
+            head = _dense(self.weights.lm_head)
             self._head_blocks = invariant.calibrate(*head.shape, head.dtype, str(head.device), self._threads,
                                                     big=False)
-        log.info("calibrated batch-invariant matmuls (%s, %d threads) in %.2fs", head.dtype, self._threads,
+        log.info("calibrated batch-invariant matmuls (%s, %d threads) in %.2fs", self.weights.dtype, self._threads,
                  time.perf_counter() - t0)
 
     def forward(self, b: Batch, all_logits: bool) -> torch.Tensor:
@@ -119,14 +123,17 @@ class TorchBackend:
         others. The C kernel computes each row alone by construction; without it, calibrated row blocks."""
         if self._in_c(w):
             return kernels.gemm(x, w)
-        x = x.to(w.dtype).contiguous()
-        return invariant.matmul(x, w, blocks or self._blocks[(tuple(w.shape), w.dtype)])
+        t = _dense(w)
+        return invariant.matmul(x.to(t.dtype).contiguous(), t, blocks or self._blocks[(tuple(t.shape), t.dtype)])
 
     def _attention(self, i: int, layer: Layer, x: torch.Tensor, b: Batch) -> torch.Tensor:
         cfg, T, slots = self.config, x.shape[0], b.kv_layers[i]
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         window = cfg.window(i)
-        cos, sin = b.local_rope if cfg.local_rope(i) else (b.cos, b.sin)
+        rope = b.local_rope if cfg.local_rope(i) else (b.cos, b.sin)
+        calls = b.attn if window is None else b.attn_window
+        assert rope is not None and calls is not None, "the step was planned without this layer's table or window"
+        cos, sin = rope
         qkv = self._linear(x, layer.qkv).view(T, H + 2 * KV, D)  # [T, H + 2 KV, D]
         qkv_extras(cfg, layer, qkv)
         R = cos.shape[-1]  # the rotated dims: D, or the first R of each head (glm4_moe's partial rotary)
@@ -136,7 +143,6 @@ class TorchBackend:
         slots.index_copy_(0, b.write_slots, qkv[:, H:].view(T, 2, KV, D))  # new tokens' K/V into their slots
         q = qkv[:, :H]  # [T, H, D]
         kv = slots.index_select(0, b.read_slots)  # [S_total, 2, KV, D]
-        calls = b.attn if window is None else b.attn_window
         if len(calls) == 1 and calls[0].group:  # all decode, one length: the output is the attention result
             return self._linear(self._decode_attention(q, kv, calls[0], window), layer.o)  # [T, hidden]
         out = x.new_empty(T, H * D)
@@ -176,7 +182,7 @@ class TorchBackend:
         """The layer's MLP on ``x [T, hidden]`` -> ``[T, hidden]``: one gated MLP, or a mixture of experts."""
         if layer.experts is not None:
             return self._moe(layer.experts, x)
-        return self._gated(x, layer.gate_up, layer.down)
+        return self._gated(x, *layer.matrices[2:])
 
     def _gated(self, x: torch.Tensor, gate_up: Matrix, down: Matrix) -> torch.Tensor:
         """``down(act(gate x) * up x)``: ``x [T, hidden]`` -> ``[T, hidden]``."""
@@ -199,6 +205,13 @@ class TorchBackend:
         return out
 
 
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` ``[T, E]``, each row's bits independent of ``T``: a softmax over ``(x, 0)`` per element, which
+    torch computes row by row. Its element-wise sigmoid is not: it rounds differently in its vector body and its
+    scalar tail (seen on an AMD EPYC with AVX-512), and which elements fall in the tail depends on the tensor's size."""
+    return torch.softmax(torch.stack([x, torch.zeros_like(x)], dim=-1), dim=-1)[..., 0]
+
+
 def route(cfg: ModelConfig, logits: torch.Tensor,
           choice_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``(weights, experts)`` ``[T, k]`` from its router logits ``[T, E]``, row by row, as the family's
@@ -215,7 +228,7 @@ def route(cfg: ModelConfig, logits: torch.Tensor,
         if cfg.normalize_expert_weights:
             weights /= weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), chosen
-    scores = logits.float().sigmoid()  # [T, E]
+    scores = row_sigmoid(logits.float())  # [T, E]
     choice = scores if choice_bias is None else scores + choice_bias  # [T, E]
     if cfg.expert_groups > 1:
         T, G = choice.shape[0], cfg.expert_groups
@@ -283,3 +296,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def _dense(w: Matrix) -> torch.Tensor:
+    """``w`` as the tensor it is where torch computes with it: block weights are kept only where the C kernels run."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{type(w).__name__} weights need the C kernels")
+    return w
