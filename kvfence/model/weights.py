@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -104,15 +105,19 @@ class Weights:
                 w = w.dequantize()
             return w.to(device=device, dtype=dtype).contiguous()
 
+        def tensor(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:  # never blocks: norms, biases, routers
+            w = sd[name]
+            return (w.dequantize() if isinstance(w, BlockWeight) else w).to(device=device, dtype=as_dtype).contiguous()
+
         def norm(name: str) -> torch.Tensor:  # gemma multiplies by (1 + w) in float32, as transformers does
-            return get(name).float() + 1.0 if cfg.norm_offset else get(name)
+            return tensor(name).float() + 1.0 if cfg.norm_offset else tensor(name)
 
-        def get_f32(name: str) -> torch.Tensor:  # glm4_moe's router, kept in float32 as transformers keeps it
-            return sd[name].to(device=device, dtype=torch.float32).contiguous()
+        def router(name: str) -> torch.Tensor:  # glm4_moe's, kept in float32 as transformers keeps it
+            return tensor(name, torch.float32 if cfg.router_float32 else dtype)
 
-        layers = [_layer(cfg, get, norm, i, sd) for i in range(cfg.num_layers)]
+        layers = [_layer(cfg, get, tensor, norm, i, sd) for i in range(cfg.num_layers)]
         for i in cfg.sparse_layers:
-            layers[i].experts = _experts(cfg, get, get_f32 if cfg.router_float32 else get, f"model.layers.{i}.mlp.", sd)
+            layers[i].experts = _experts(cfg, get, tensor, router, f"model.layers.{i}.mlp.", sd, dtype)
         embed = get("model.embed_tokens.weight")
         lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
         return cls(embed, layers, norm("model.norm.weight"), lm_head, dtype, torch.device(device))
@@ -132,22 +137,30 @@ class Weights:
         return out
 
 
-def _layer(cfg: ModelConfig, get: Callable[[str], torch.Tensor | BlockWeight], norm: Callable[[str], torch.Tensor],
-           i: int, sd: dict[str, torch.Tensor | BlockWeight]) -> Layer:
+Get = Callable[[str], torch.Tensor | BlockWeight]  # a matmul weight by name: blocks kept where they run
+
+
+class GetTensor(Protocol):
+    def __call__(self, name: str, as_dtype: torch.dtype = ..., /) -> torch.Tensor:
+        """A weight by name as a tensor (of the model's dtype unless ``as_dtype``)."""
+
+
+def _layer(cfg: ModelConfig, get: Get, tensor: GetTensor, norm: Callable[[str], torch.Tensor], i: int,
+           sd: dict[str, torch.Tensor | BlockWeight]) -> Layer:
     """Fuse HF decoder layer ``i``'s tensors, but a sparse layer's experts (``_experts``); ``norm`` fetches a norm
     weight."""
     p = f"model.layers.{i}."
     a, m = p + "self_attn.", p + "mlp."
     qkv_bias = None
     if cfg.attention_bias:
-        qkv_bias = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+        qkv_bias = torch.cat([tensor(a + "q_proj.bias"), tensor(a + "k_proj.bias"), tensor(a + "v_proj.bias")])
     qk_norm = None
     if cfg.qk_norm:
         q, k = norm(a + "q_norm.weight"), norm(a + "k_norm.weight")
         qk_norm = torch.cat([q.expand(cfg.num_heads, -1), k.expand(cfg.num_kv_heads, -1)])
     if a + "o_proj.bias" in sd:
         raise ValueError("o_proj bias is not supported")
-    dtype = get(p + "input_layernorm.weight").dtype
+    dtype = tensor(p + "input_layernorm.weight").dtype
     if a + "qkv_proj.weight" in sd:  # phi3: fused already, rows q, k, v
         qkv = get(a + "qkv_proj.weight")
     else:
@@ -178,32 +191,32 @@ def _layer(cfg: ModelConfig, get: Callable[[str], torch.Tensor | BlockWeight], n
     )
 
 
-def _experts(cfg: ModelConfig, get: Callable[[str], torch.Tensor | BlockWeight],
-             get_router: Callable[[str], torch.Tensor], m: str, sd: dict[str, torch.Tensor | BlockWeight]) -> Experts:
+def _experts(cfg: ModelConfig, get: Get, tensor: GetTensor, router: Callable[[str], torch.Tensor], m: str,
+             sd: dict[str, torch.Tensor | BlockWeight], dtype: torch.dtype) -> Experts:
     """A sparse layer's MLP (prefix ``m``, ``model.layers.N.mlp.``): per-expert names as hub checkpoints have
     them (``experts.N.gate_proj.weight`` ...), or the stacked ``experts.gate_up_proj`` ``[E, 2 F, hidden]`` and
     ``experts.down_proj`` ``[E, hidden, F]`` of transformers' in-memory layout."""
     x = m + "experts."
-    if x + "gate_up_proj" in sd:
-        stacked_gate_up, stacked_down = get(x + "gate_up_proj"), get(x + "down_proj")
-        gate_up = [w.contiguous() for w in stacked_gate_up.unbind(0)]  # E x [2 F, hidden]
-        down = [w.contiguous() for w in stacked_down.unbind(0)]  # E x [hidden, F]
+    gate_up: list[Matrix]
+    down: list[Matrix]
+    if x + "gate_up_proj" in sd:  # stacked: dequantized (blocks are per expert)
+        gate_up = [w.contiguous() for w in tensor(x + "gate_up_proj").unbind(0)]  # E x [2 F, hidden]
+        down = [w.contiguous() for w in tensor(x + "down_proj").unbind(0)]  # E x [hidden, F]
     else:
-        dtype = get(x + "0.down_proj.weight").dtype
         gate_up = [_rows(dtype, get(f"{x}{e}.gate_proj.weight"), get(f"{x}{e}.up_proj.weight"))
                    for e in range(cfg.num_experts)]
         down = [get(f"{x}{e}.down_proj.weight") for e in range(cfg.num_experts)]
     shared_gate_up = shared_down = None
     if cfg.shared_expert_intermediate_size:
         s = m + "shared_experts."
-        shared_gate_up = _rows(gate_up[0].dtype, get(s + "gate_proj.weight"), get(s + "up_proj.weight"))
+        shared_gate_up = _rows(dtype, get(s + "gate_proj.weight"), get(s + "up_proj.weight"))
         shared_down = get(s + "down_proj.weight")
     bias = m + "gate.e_score_correction_bias"
     return Experts(
-        router=get_router(m + "gate.weight"),
+        router=router(m + "gate.weight"),
         gate_up=gate_up,
         down=down,
-        choice_bias=sd[bias].to(device=gate_up[0].device, dtype=torch.float32) if bias in sd else None,
+        choice_bias=tensor(bias, torch.float32) if bias in sd else None,
         shared_gate_up=shared_gate_up,
         shared_down=shared_down,
     )
@@ -212,6 +225,7 @@ def _experts(cfg: ModelConfig, get: Callable[[str], torch.Tensor | BlockWeight],
 def _rows(dtype: torch.dtype, *weights: torch.Tensor | BlockWeight) -> torch.Tensor | BlockWeight:
     """The weights' rows one after another (a fused projection): blocks if all are blocks of one format, else
     ``dtype`` tensors (a GGUF may mix formats, e.g. Q4_1 q/k with a Q8_0 or Q6_K v)."""
-    if all(isinstance(w, BlockWeight) for w in weights) and len({w.fmt for w in weights}) == 1:
-        return BlockWeight.cat(list(weights))
+    blocks = [w for w in weights if isinstance(w, BlockWeight)]
+    if len(blocks) == len(weights) and len({w.fmt for w in blocks}) == 1:
+        return BlockWeight.cat(blocks)
     return torch.cat([w.dequantize().to(dtype) if isinstance(w, BlockWeight) else w for w in weights])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from typing import TypeGuard
 
 import torch
 
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 Entries = tuple[kernels.GemmEntry, kernels.GemmEntry]  # (longer chunks' entry, decode rows' entry) of one weight
 
 
-def _int8(w: object) -> bool:
+def _int8(w: object) -> TypeGuard[BlockWeight]:
     """Whether w is a block weight of a format the int8 kernel takes (``DecodeBlocks``: Q4_1, Q8_0)."""
     return isinstance(w, BlockWeight) and w.fmt in INT8_FORMATS
 
@@ -105,7 +106,8 @@ class CBackend:
         """Every weight a decode step reads in full: the ``DecodeBlocks`` copies where decode rows use them."""
         out = self.weights.read_in_full()
         if self._decode_weights:  # they replace the blocks they copy
-            out = [t for t in out if not _int8(t)] + self._decode_weights
+            out = [t for t in out if not _int8(t)]
+            out += self._decode_weights
         return out
 
     def forward(self, b: Batch, all_logits: bool) -> torch.Tensor:
@@ -119,7 +121,7 @@ class CBackend:
         if d:
             self.prepare_decode_rows()
         light = th if T >= 16 else 1  # threads of the element-wise kernels: a few rows cost less than a fork/join
-        F2 = layers[0].gate_up.shape[0]
+        F2 = layers[0].matrices[2].shape[0]  # gate_up's rows
         x = self.weights.embed_rows(b.tokens)  # [T, hidden], a new tensor: the residual stream, updated in place
         h, proj = x.new_empty(T, hidden), x.new_empty(T, hidden)  # normed input of a projection; its output
         qkv, attn = x.new_empty(T, width), x.new_empty(T, H * D)
