@@ -115,6 +115,10 @@ class DecodeCore:
         """Whether some prefill worker may be computing or writing KV for one of this worker's requests."""
         return any(r.state is not DState.DECODING for r in self.reqs.values())
 
+    def granted_pages(self) -> list[int]:
+        """Every page granted to a request this core still tracks (the engine's integrity check: each is owned)."""
+        return [g.page for r in self.reqs.values() for g in r.grants]
+
     def handle(self, sender: str, msg: Message, now: float) -> list[Action]:
         actions: list[Action] = []
         match msg:

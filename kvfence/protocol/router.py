@@ -222,6 +222,14 @@ class RouterCore:
     def queued(self) -> int:
         return len(self.queue)
 
+    def in_flight(self) -> int:
+        """Requests sent to a pair and not ended."""
+        return len(self.reqs)
+
+    def client_of(self, rid: int) -> int:
+        """The id the client knows in-flight request ``rid`` (a wire id: a retry's differs) by."""
+        return self.reqs[rid].client
+
     def wire_rid(self, rid: int) -> int:
         """The id the request a client knows as ``rid`` travels under now."""
         return retry_rid(rid) if rid in self.retried else rid

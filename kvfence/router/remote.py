@@ -87,7 +87,7 @@ class RemoteEngine:
         ready = sum(1 for i in self.core.workers.values() if i.hello.role == "decode") and \
             sum(1 for i in self.core.workers.values() if i.hello.role == "prefill")
         return {"status": "ok" if ready else "waiting for workers", "mode": "disaggregated",
-                "max_context": self.max_context, "in_flight": len(self.core.reqs), "queued": self.core.queued(),
+                "max_context": self.max_context, "in_flight": self.core.in_flight(), "queued": self.core.queued(),
                 "queued_by_tenant": self.core.queue.lengths(),
                 "transfers_in_flight": self.core.in_handoff(), "stale_messages": self.core.stale_messages,
                 "workers": workers}
@@ -131,7 +131,7 @@ class RemoteEngine:
         """Count a request just sent against both workers of its pair, and remember the pair and when."""
         for worker in (admit.prefill, decode):
             self.assigned[worker] = self.assigned.get(worker, 0) + 1
-        rid = self.core.reqs[admit.rid].client  # a retry travels under another id
+        rid = self.core.client_of(admit.rid)  # a retry travels under another id
         self._routes.add(rid, Route(admit.prefill, decode, self.core.epochs.get(decode, 0)))
         if rid in self._sinks:
             self._dispatched.setdefault(rid, time.monotonic())

@@ -57,7 +57,7 @@ class DecodeWorker(WorkerBase):
         self.target.close()
 
     def check_integrity(self) -> None:
-        self._engine.check_integrity([g.page for r in self.core.reqs.values() for g in r.grants])
+        self._engine.check_integrity(self.core.granted_pages())
 
     def hello(self) -> Hello:
         sched, pages = self._engine.scheduler, self._engine.pages
