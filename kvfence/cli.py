@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from kvfence import env
 from kvfence.cluster import ENV
-from kvfence.config import POOL_DEFAULTS, default_pool_tokens
+from kvfence.config import POOL_DEFAULTS, WORKER_TIMEOUT_S, Timeouts, default_pool_tokens
 from kvfence.tools.audit import non_negative_int, positive_int
 
 DTYPES = ("bfloat16", "float32")
@@ -142,7 +142,7 @@ def add_capacity_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_fault_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--worker-timeout", type=worker_timeout, default=15.0, metavar="S",
+    p.add_argument("--worker-timeout", type=worker_timeout, default=WORKER_TIMEOUT_S, metavar="S",
                    help="a worker silent for 2 s (no heartbeat) is suspected and gets no new request; silent for S "
                         "seconds it is declared dead and fenced: its requests end (those without a token yet are "
                         "retried once on another pair), and should it come back it drops them and rejoins")
@@ -555,8 +555,8 @@ def make_remote_engine(args, bind: str, advertise: str | None, name: str, max_co
 
     policy, limits = capacity_of(args, tenants)
     return RemoteEngine(RouterSettings(bind, name, max_context, Safety.from_env(), advertise, expected_workers=expected,
-                                       handoff_timeout=args.handoff_timeout, cluster_key=key, policy=policy,
-                                       limits=limits, worker_timeout=args.worker_timeout))
+                                       timeouts=Timeouts(args.handoff_timeout), cluster_key=key,
+                                       policy=policy, limits=limits, worker_timeout=args.worker_timeout))
 
 
 def run_http(args: argparse.Namespace, engine, tokenizer, tenants, supervisor) -> int:

@@ -132,6 +132,7 @@ ABORT_SHARE = 3  # the abort timeout is the handoff timeout over this ...
 ABORT_CAP_S = 10.0  # ... and this at most: an AbortAck answers at once unless a write is stuck in flight
 ORPHAN_DEST_SHARE = 6  # the orphan-Dest timeout is the handoff timeout over this ...
 ORPHAN_DEST_CAP_S = 5.0  # ... and this at most: a Prefill and its Dest are sent together, so one comes soon after
+WORKER_TIMEOUT_S = 15.0  # the router declares a worker silent this long dead (--worker-timeout)
 SILENCE_HANDOFFS = 4  # the router's silence timeout is this many handoff timeouts: beyond any handoff's own end
 
 

@@ -115,7 +115,7 @@ class Weights:
         def router(name: str) -> torch.Tensor:  # glm4_moe's, kept in float32 as transformers keeps it
             return tensor(name, torch.float32 if cfg.router_float32 else dtype)
 
-        layers = [_layer(cfg, get, tensor, norm, i, sd) for i in range(cfg.num_layers)]
+        layers = [_layer(cfg, get, tensor, norm, i, sd, dtype) for i in range(cfg.num_layers)]
         for i in cfg.sparse_layers:
             layers[i].experts = _experts(cfg, get, tensor, router, f"model.layers.{i}.mlp.", sd, dtype)
         embed = get("model.embed_tokens.weight")
@@ -146,7 +146,7 @@ class GetTensor(Protocol):
 
 
 def _layer(cfg: ModelConfig, get: Get, tensor: GetTensor, norm: Callable[[str], torch.Tensor], i: int,
-           sd: dict[str, torch.Tensor | BlockWeight]) -> Layer:
+           sd: dict[str, torch.Tensor | BlockWeight], dtype: torch.dtype) -> Layer:
     """Fuse HF decoder layer ``i``'s tensors, but a sparse layer's experts (``_experts``); ``norm`` fetches a norm
     weight."""
     p = f"model.layers.{i}."
@@ -160,7 +160,6 @@ def _layer(cfg: ModelConfig, get: Get, tensor: GetTensor, norm: Callable[[str], 
         qk_norm = torch.cat([q.expand(cfg.num_heads, -1), k.expand(cfg.num_kv_heads, -1)])
     if a + "o_proj.bias" in sd:
         raise ValueError("o_proj bias is not supported")
-    dtype = tensor(p + "input_layernorm.weight").dtype
     if a + "qkv_proj.weight" in sd:  # phi3: fused already, rows q, k, v
         qkv = get(a + "qkv_proj.weight")
     else:

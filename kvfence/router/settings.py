@@ -1,16 +1,14 @@
 """``RouterSettings``: what the router's engine (``RemoteEngine``) needs to start, parsed once from the command line
-(``cli.router_settings``) and frozen."""
+(``cli.make_remote_engine``) and frozen."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvfence.cluster import ClusterKey
-from kvfence.config import Timeouts
+from kvfence.config import WORKER_TIMEOUT_S, Timeouts
 from kvfence.protocol.capacity import DispatchLimits, QueuePolicy
 from kvfence.safety import Safety
-
-WORKER_TIMEOUT_S = 15.0  # silent this long, a worker is declared dead (--worker-timeout)
 
 
 @dataclass(frozen=True)
@@ -21,12 +19,8 @@ class RouterSettings:
     safety: Safety = field(default_factory=Safety)
     advertise: str | None = None
     expected_workers: int = 0  # ``start`` waits for this many workers' Hello (``kvfence serve``'s own)
-    handoff_timeout: float = 30.0  # ``Timeouts``: the router's silence timeout derives from it
+    timeouts: Timeouts = field(default_factory=Timeouts)  # the router's silence timeout is ``timeouts.silence``
     cluster_key: ClusterKey | None = None  # only its holders can join; without one, ``bind`` stays on this host
     policy: QueuePolicy = field(default_factory=QueuePolicy)  # quotas, queue bound and order
     limits: DispatchLimits = field(default_factory=DispatchLimits)  # when a worker has room for one more request
     worker_timeout: float = WORKER_TIMEOUT_S
-
-    @property
-    def timeouts(self) -> Timeouts:
-        return Timeouts(self.handoff_timeout)

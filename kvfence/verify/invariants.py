@@ -72,7 +72,7 @@ def integrity(w: World) -> list[Violation]:
             pages.check_integrity()
         except PageError as exc:
             out.append(Violation("I5", f"decode page table: {exc}"))
-        granted = sorted([g.page for r in core.reqs.values() for g in r.grants]
+        granted = sorted(core.granted_pages()
                          + [g.page for s in node.engine.values() for g in s.grants])
         held = [p for p, state in enumerate(pages.state.tolist()) if GRANTED <= state <= READY]
         if granted != held:
