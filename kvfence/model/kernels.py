@@ -300,7 +300,8 @@ def expand_rows(w: BlockWeight, rows: torch.Tensor) -> torch.Tensor:
 
 def attention_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether ``decode_attention`` and ``rope_write`` handle this head layout."""
-    return head_dim % 16 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16
+    return (head_dim % 16 == 0 and head_dim <= 256 and num_heads <= 256 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= 16)
 
 
 def decode_attention(
