@@ -1,7 +1,8 @@
 """A small HF -> GGUF converter for tests, following llama.cpp's ``convert_hf_to_gguf.py``: its tensor names, its
 metadata keys, its Q/K row permutation for llama, its fused tensors for phi3, its ``+ 1`` on Gemma's norms and its
 ``rope_freqs`` factors for llama3 rope scaling. Tensors are written as float32 (``F32``), so what kvfence reads back
-is exactly the HF weights.
+is exactly the HF weights, but those ``formats`` names: quantized by ``gguf.quants.quantize`` (Q4_1, Q8_0), as
+llama.cpp's converter quantizes with ``--outtype``.
 
 ``write_gguf(hf_dir, path)`` converts a tiny model directory (``tests/tiny_models.py``) with its byte-level BPE
 tokenizer; ``sentencepiece_fields(model_file, kind)`` gives the ``tokenizer.ggml.*`` fields llama.cpp writes for a
@@ -71,9 +72,12 @@ def byte_level_fields(tokenizer_json: Path, pre: str) -> dict[str, Any]:
     }
 
 
-def write_fields(path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> Path:
+def write_fields(path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, np.ndarray] | None = None,
+                 formats: dict[str, str] | None = None) -> Path:
     """Write a GGUF of ``fields`` (typed as ``gguf.GGUFWriter`` types Python values: ints as int32 or uint32, floats
-    as float32, bytes as uint8 arrays) and float32 ``tensors`` (HF-ordered shapes: the writer reverses them)."""
+    as float32, bytes as uint8 arrays) and float32 ``tensors`` (HF-ordered shapes: the writer reverses them); a
+    tensor ``formats`` names (by its GGUF name without ``.weight``, or that name's last part: ``ffn_up_exps``) is
+    quantized to that format."""
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in fields.items():
         if isinstance(value, bool):
@@ -87,7 +91,13 @@ def write_fields(path: Path, arch: str, fields: dict[str, Any], tensors: dict[st
         else:
             w.add_array(key, value)
     for name, t in (tensors or {}).items():
-        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        fmt = _format(name, formats or {})
+        if fmt is None:
+            w.add_tensor(name, t)
+        else:
+            qtype = getattr(gguf.GGMLQuantizationType, fmt)
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -105,9 +115,10 @@ _ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCau
 _MODEL_ARCH = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
 
 
-def write_gguf(hf_dir: Path, path: Path) -> Path:
+def write_gguf(hf_dir: Path, path: Path, formats: dict[str, str] | None = None) -> Path:
     """Convert the tiny HF model in ``hf_dir`` (safetensors, config.json, SmolLM2's byte-level tokenizer) to the
-    GGUF llama.cpp's converter writes for its architecture (float32 tensors)."""
+    GGUF llama.cpp's converter writes for its architecture: float32 tensors, but those ``formats`` names
+    (``write_fields``), e.g. ``{"ffn_gate_exps": "Q8_0"}`` for every layer's stacked expert gate rows."""
     from safetensors.torch import load_file
 
     raw = json.loads((hf_dir / "config.json").read_text())
@@ -119,7 +130,14 @@ def write_gguf(hf_dir: Path, path: Path) -> Path:
     arch = _ARCHS[raw["architectures"][0]]
     state = load_file(str(hf_dir / "model.safetensors"))
     fields = _hparams(raw, arch) | byte_level_fields(hf_dir / "tokenizer.json", "smollm")
-    return write_fields(path, arch, fields, _tensors(raw, arch, state))
+    return write_fields(path, arch, fields, _tensors(raw, arch, state), formats)
+
+
+def _format(name: str, formats: dict[str, str]) -> str | None:
+    """The format ``formats`` gives GGUF tensor ``name``: by its name without ``.weight``, else by that name's last
+    part (``blk.1.ffn_up_exps`` before ``ffn_up_exps``); None: float32."""
+    stem = name.removesuffix(".weight")
+    return formats.get(stem, formats.get(stem.rsplit(".", 1)[-1]))
 
 
 def _hparams(raw: dict[str, Any], arch: str) -> dict[str, Any]:

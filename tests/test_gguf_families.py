@@ -7,16 +7,26 @@ loaded through kvfence (which ``test_model.py`` and ``test_families.py`` check a
 Tolerance, float32: logits within 1e-5 x the largest logit of the HF directory's (measured: identical for every
 family but those whose rope factors llama.cpp stores in float32, llama3 and Phi-3's attention factor, where the
 rope tables differ in the last bits).
+
+The MoE families with their stacked experts quantized (Q4_1, Q8_0) keep each expert's weights as blocks in bf16
+and compute, bit for bit, what the same file dequantized at load computes.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvfence.kvcache.pool import KVPool
+from kvfence.model import kernels
+from kvfence.model.backends.torch import route
+from kvfence.model.blocks import BlockWeight
+from kvfence.model.gguf_file import read_gguf
 from kvfence.model.loader import load_model
 from tests.gguf_convert import write_gguf
+from tests.test_kquants import decode_logits
 from tests.test_model import assert_close, prefill, varied_text
 from tests.tiny_models import EXTRA, TINY, _write_model, greedy, tiny_model_dir
 
@@ -39,15 +49,20 @@ REL_TOL = 1e-5
 LENGTHS = (5, 12, 23, 25, 40, 50, 60, 63)
 
 
+def hf_model(family: str, root) -> Path:
+    """The family's tiny HF directory, as llama.cpp's file format can say it (``VARIANTS``: written under root)."""
+    if family not in VARIANTS:
+        return tiny_model_dir(family)
+    _write_model({**TINY, **EXTRA[family], **VARIANTS[family]}, family, 11, torch.float32, root / family)
+    return root / family
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """family -> (HF directory, its GGUF)."""
     root, out = tmp_path_factory.mktemp("gguf"), {}
     for family in FAMILIES:
-        hf_dir = tiny_model_dir(family)
-        if family in VARIANTS:
-            hf_dir = root / family
-            _write_model({**TINY, **EXTRA[family], **VARIANTS[family]}, family, 11, torch.float32, hf_dir)
+        hf_dir = hf_model(family, root)
         out[family] = hf_dir, write_gguf(hf_dir, root / f"{family}.gguf")
     return out
 
@@ -73,6 +88,82 @@ def test_gguf_gives_the_hf_directorys_tokens(converted, family):
     for i, n in enumerate(LENGTHS):
         prompt = want.tokenizer.encode(varied_text(n, seed=i))[:n]
         assert greedy(got.model, prompt, 12) == greedy(want.model, prompt, 12), n
+
+
+# family -> the formats of its stacked experts (gguf_convert's ``formats``): GLM's layer 2 fuses a Q8_0 gate with a
+# Q4_1 up, so its gate_up is dequantized at load; its down (Q4_1: one block per row, an odd last one) stays blocks
+EXPERT_FORMATS = {
+    "qwen3_moe": {"ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q8_0"},
+    "glm4_moe": {"ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q4_1", "blk.2.ffn_up_exps": "Q4_1"},
+}
+
+
+def expert_matrices(model) -> dict[str, torch.Tensor | BlockWeight]:
+    """``blk.N.gate_up.E`` / ``blk.N.down.E`` -> each sparse layer's expert weights, as the model holds them."""
+    out = {}
+    for i, layer in enumerate(model.weights.layers):
+        for e, (gate_up, down) in enumerate(zip(layer.experts.gate_up, layer.experts.down, strict=True)
+                                            if layer.experts else ()):
+            out |= {f"blk.{i}.gate_up.{e}": gate_up, f"blk.{i}.down.{e}": down}
+    return out
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("family", sorted(EXPERT_FORMATS))
+def test_quantized_stacked_experts_stay_blocks_and_compute_what_dequantized_ones_do(tmp_path, monkeypatch, family):
+    """A GGUF whose stacked experts are Q4_1/Q8_0, loaded in bf16: each expert's gate_up and down are blocks of its
+    format (the GGUF's bytes, not bf16's) but a gate_up fused from two formats; the prefill and decode logits and the
+    greedy tokens equal, bit for bit, those of the same file dequantized at load (``KVFENCE_KEEP_BLOCKS=0``, the
+    loading before blocks were kept), and a row's MoE output and logits do not depend on the rows beside it."""
+    if not kernels.detect().block_weights:
+        pytest.skip(f"bf16 block weights need the C kernels, absent here ({kernels.detect().summary()})")
+    formats = EXPERT_FORMATS[family]
+    path = write_gguf(hf_model(family, tmp_path), tmp_path / f"{family}.gguf", formats)
+    loaded = load_model(str(path))
+    model, cfg = loaded.model, loaded.config
+    assert model.backend.name.startswith("torch+c-")
+    held = expert_matrices(model)
+    assert len(held) == 2 * len(cfg.sparse_layers) * cfg.num_experts
+    gguf_bytes = {t.name.removesuffix(".weight"): t.nbytes for t in read_gguf(path).tensors if "_exps" in t.name}
+    for i in cfg.sparse_layers:
+        gate, up, down = (formats.get(f"blk.{i}.ffn_{p}_exps", formats[f"ffn_{p}_exps"])
+                          for p in ("gate", "up", "down"))
+        fused = [held[f"blk.{i}.gate_up.{e}"] for e in range(cfg.num_experts)]
+        downs = [held[f"blk.{i}.down.{e}"] for e in range(cfg.num_experts)]
+        assert all(isinstance(w, BlockWeight) and w.fmt == down for w in downs), i
+        assert sum(w.nbytes for w in downs) == gguf_bytes[f"blk.{i}.ffn_down_exps"]  # the quantized bytes
+        if gate == up:
+            assert all(isinstance(w, BlockWeight) and w.fmt == gate for w in fused), i
+            assert sum(w.nbytes for w in fused) == gguf_bytes[f"blk.{i}.ffn_gate_exps"] + gguf_bytes[
+                f"blk.{i}.ffn_up_exps"]
+        else:
+            assert all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in fused), i
+
+    monkeypatch.setenv("KVFENCE_KEEP_BLOCKS", "0")
+    dense = load_model(str(path)).model
+    assert all(isinstance(w, torch.Tensor) for w in expert_matrices(dense).values())
+    bf16_bytes = sum(w.nbytes for w in expert_matrices(dense).values())
+    assert sum(w.nbytes for w in held.values()) < bf16_bytes / (1.6 if family == "glm4_moe" else 2.5)
+
+    ids = loaded.tokenizer.encode(varied_text(60, seed=5))[:70]
+    chunks = [ids[:40], ids[40:]]
+    assert torch.equal(*(prefill(m, chunks, KVPool(cfg, 8, 16, torch.bfloat16)) for m in (model, dense)))
+    prompts = [ids, ids[3:30], ids[:5] * 3]
+    batched = decode_logits(model, prompts, batched=True)
+    assert all(torch.equal(a, b) for a, b in zip(batched, decode_logits(dense, prompts, True), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(batched, decode_logits(model, prompts, False), strict=True))
+    for n in (7, 23, 50):
+        tokens = greedy(model, ids[:n], 10)
+        assert tokens == greedy(dense, ids[:n], 10), n
+        assert len(set(tokens)) > 1, n  # a model whose tokens depend on its input
+
+    e = model.weights.layers[cfg.sparse_layers[-1]].experts  # the MoE block alone: 300 rows choosing every expert
+    x = torch.randn(300, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.inference_mode():
+        chosen = route(cfg, model.backend._linear(x, e.router), e.choice_bias)[1]  # [300, k]
+        assert chosen.unique().tolist() == list(range(cfg.num_experts))
+        together = model.backend._moe(e, x)  # [300, hidden]
+        assert all(torch.equal(model.backend._moe(e, x[i : i + 1])[0], together[i]) for i in range(0, 300, 7))
 
 
 @pytest.mark.fast

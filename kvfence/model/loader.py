@@ -3,11 +3,11 @@ phi3, gemma2, gemma3, glm4moe), or an HF directory (Llama, Qwen2, Qwen3, Mistral
 Qwen3-MoE, GLM-4-MoE).
 
 Every source ends as a state dict with HF names and HF layouts (GGUF Q/K rows of ``llama`` files un-permuted,
-Gemma's ``1 + w`` norms back to ``w``, stacked experts split per expert; GGUF Q4_1, Q8_0 and K-quant
-matrices as ``BlockWeight``s), a ``ModelConfig`` and a ``Tokenizer``; ``Model.from_state_dict`` then chooses the
-backend, fuses and casts the weights, keeping or dequantizing the blocks. Reading metadata alone
-(``describe_model``, what a router needs) lives in the torch-free ``kvfence.model.describe``; its public names
-are re-exported here.
+Gemma's ``1 + w`` norms back to ``w``, stacked experts split per expert; GGUF Q4_1, Q8_0 and K-quant matrices as
+``BlockWeight``s, a stacked expert tensor's as one per expert), a ``ModelConfig`` and a ``Tokenizer``;
+``Model.from_state_dict`` then chooses the backend, fuses and casts the weights, keeping or dequantizing the
+blocks. Reading metadata alone (``describe_model``, what a router needs) lives in the torch-free
+``kvfence.model.describe``; its public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -93,6 +93,11 @@ def _load_gguf(path: Path) -> tuple[str, ModelConfig, dict[str, torch.Tensor | B
         if name is None:
             continue
         shape = tuple(reversed(t.shape))
+        if t.tensor_type.name in BLOCK_BYTES and len(shape) == 3:  # stacked experts: each one's rows are whole blocks
+            raw = parsed.tensor_data(t)  # [E, rows, row bytes]
+            state.update((name.replace("*", str(e)), BlockWeight.from_gguf(t.tensor_type.name, raw[e], shape[1:]))
+                         for e in range(shape[0]))
+            continue
         if t.tensor_type.name in BLOCK_BYTES and len(shape) == 2:  # kept as blocks; the model expands what it must
             b = BlockWeight.from_gguf(t.tensor_type.name, parsed.tensor_data(t), shape)
             state[name] = BlockWeight(b.fmt, _unpermute_rope(t.name, b.rows, cfg))  # rows move whole

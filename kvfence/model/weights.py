@@ -2,7 +2,8 @@
 (``Weights.from_state_dict``; Phi-3 ships them fused, in the same row order), layers in order. Gemma's norm
 weights are kept as ``1 + w`` in float32, the factor its RMSNorm multiplies by. A sparse layer (Qwen3-MoE,
 GLM-4-MoE) holds ``Experts`` instead of one MLP: its router and each expert's fused gate_up and down, read from
-hub-style per-expert names (``mlp.experts.N.gate_proj.weight``) or from stacked ``mlp.experts.gate_up_proj``.
+hub-style per-expert names (``mlp.experts.N.gate_proj.weight``; a GGUF's stacked expert blocks arrive split so,
+and stay blocks as a dense layer's do) or from stacked ``mlp.experts.gate_up_proj``.
 
 A matmul weight is a bf16 (or float32) tensor, a ``BlockWeight`` (GGUF blocks the C kernels expand; kept only
 where they run) or ``DecodeBlocks`` (the same blocks regrouped for the int8 kernel: the C backend swaps them in
@@ -198,7 +199,7 @@ def _experts(cfg: ModelConfig, get: Get, tensor: GetTensor, router: Callable[[st
     x = m + "experts."
     gate_up: list[Matrix]
     down: list[Matrix]
-    if x + "gate_up_proj" in sd:  # stacked: dequantized (blocks are per expert)
+    if x + "gate_up_proj" in sd:  # stacked tensors (HF only: the GGUF loader splits its stacked blocks per expert)
         gate_up = [w.contiguous() for w in tensor(x + "gate_up_proj").unbind(0)]  # E x [2 F, hidden]
         down = [w.contiguous() for w in tensor(x + "down_proj").unbind(0)]  # E x [hidden, F]
     else:
