@@ -143,7 +143,9 @@ def _hparams(raw: dict[str, Any], arch: str) -> dict[str, Any]:
                 "leading_dense_block_count": raw["first_k_dense_replace"], "expert_gating_func": 2,
                 "expert_weights_scale": float(raw["routed_scaling_factor"]),
                 "expert_weights_norm": bool(raw["norm_topk_prob"])}
-    if raw.get("sliding_window") and arch in ("phi3", "gemma2", "gemma3"):  # llama's converter writes none
+    if arch == "phi3":  # 0 for none (Phi-4); llama's converter writes no window
+        out["attention.sliding_window"] = raw.get("sliding_window") or 0
+    elif raw.get("sliding_window") and arch in ("gemma2", "gemma3"):
         out["attention.sliding_window"] = raw["sliding_window"]
     if arch == "gemma2":
         out |= {"attn_logit_softcapping": float(raw["attn_logit_softcapping"]),

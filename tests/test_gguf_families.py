@@ -38,7 +38,8 @@ VARIANTS = {
                    rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
                                         sliding_attention=dict(rope_type="default", rope_theta=10000.0))),
 }
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3", "glm4_moe", "mistral", "qwen3-yarn")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "phi3-plain", "gemma2", "gemma3", "glm4_moe", "mistral",
+            "qwen3-yarn")
 GGUF_ARCHS = {"mistral": "llama"}  # kvfence's arch of a GGUF where llama.cpp converts a family as another
 REL_TOL = 1e-5
 LENGTHS = (5, 12, 23, 25, 40, 50, 60, 63)
@@ -62,7 +63,7 @@ def converted(tmp_path_factory):
 def test_gguf_gives_the_hf_directorys_tokens(converted, family):
     hf_dir, path = converted[family]
     want, got = (load_model(str(p), dtype=torch.float32) for p in (hf_dir, path))
-    arch = family.split("-")[0]  # qwen3-yarn: a variant of qwen3
+    arch = family.split("-")[0]  # phi3-plain, qwen3-yarn: variants of phi3 and qwen3
     assert (want.config.arch, got.config.arch) == (arch, GGUF_ARCHS.get(arch, arch))
     assert [got.config.window(i) for i in range(got.config.num_layers)] == [
         want.config.window(i) for i in range(want.config.num_layers)]

@@ -118,7 +118,8 @@ def gguf_config(parsed: GGUFFile) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_rope_scaling(parsed, arch, get),
-        sliding_window=get("attention.sliding_window") if arch in ("phi3", "gemma2", "gemma3") else None,
+        # 0 is none: llama.cpp's converter writes it for a Phi-3 without a window (Phi-4), and its loader reads so
+        sliding_window=(get("attention.sliding_window") or None) if arch in ("phi3", "gemma2", "gemma3") else None,
         layer_types=_gemma_layer_types(arch, num_layers, meta) if gemma else (),
         rope_local_theta=float(get("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
         hidden_act="gelu_tanh" if gemma else "silu",
