@@ -34,7 +34,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # qwen2: bias on q/k/v projections
     qk_norm: bool = False  # qwen3: RMSNorm on q and k per head
-    # HF rope_scaling: linear, llama3, longrope (phi3); or a GGUF's llama3 factors, {"rope_type": "freq_factors",
+    # HF rope_scaling: linear, llama3, yarn, longrope (phi3); or a GGUF's llama3 factors, {"rope_type": "freq_factors",
     # "factors": [D/2 floats]} (llama.cpp's rope_freqs: each inv_freq divided by its factor)
     rope_scaling: dict | None = None
     # a windowed layer's query at position p sees keys (p - sliding_window, p]; one that covers the context is none

@@ -1,5 +1,6 @@
 """A small HF -> GGUF converter for tests, following llama.cpp's ``convert_hf_to_gguf.py``: its tensor names, its
-metadata keys, its Q/K row permutation for llama, its fused tensors for phi3, its ``+ 1`` on Gemma's norms and its
+metadata keys (yarn's ``rope.scaling.*`` included), its Q/K row permutation for llama (Mistral too, which it writes as
+``llama`` without the sliding window), its fused tensors for phi3, its ``+ 1`` on Gemma's norms and its
 ``rope_freqs`` factors for llama3 rope scaling. Tensors are written as float32 (``F32``), so what kvfence reads back
 is exactly the HF weights, but those ``formats`` names: quantized by ``gguf.quants.quantize`` (Q4_1, Q8_0), as
 llama.cpp's converter quantizes with ``--outtype``.
@@ -107,9 +108,10 @@ def write_fields(path: Path, arch: str, fields: dict[str, Any], tensors: dict[st
 
 # -- models ---------------------------------------------------------------------------------------------------------
 
-_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-          "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-          "Gemma3ForCausalLM": "gemma3", "Glm4MoeForCausalLM": "glm4moe"}
+# llama.cpp converts MistralForCausalLM with its Llama converter: arch ``llama``, no sliding window
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+          "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3",
+          "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Glm4MoeForCausalLM": "glm4moe"}
 
 
 _MODEL_ARCH = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -159,14 +161,24 @@ def _hparams(raw: dict[str, Any], arch: str) -> dict[str, Any]:
                 "leading_dense_block_count": raw["first_k_dense_replace"], "expert_gating_func": 2,
                 "expert_weights_scale": float(raw["routed_scaling_factor"]),
                 "expert_weights_norm": bool(raw["norm_topk_prob"])}
-    if raw.get("sliding_window"):
+    if arch == "phi3":  # 0 for none (Phi-4); llama's converter writes no window
+        out["attention.sliding_window"] = raw.get("sliding_window") or 0
+    elif raw.get("sliding_window") and arch in ("gemma2", "gemma3"):
         out["attention.sliding_window"] = raw["sliding_window"]
     if arch == "gemma2":
         out |= {"attn_logit_softcapping": float(raw["attn_logit_softcapping"]),
                 "final_logit_softcapping": float(raw["final_logit_softcapping"])}
     scaling = raw.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type")) == "linear":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
         out |= {"rope.scaling.type": "linear", "rope.scaling.factor": float(scaling["factor"])}
+    if kind == "yarn" and scaling.get("factor") is not None:  # llama.cpp's TextModel.set_gguf_parameters
+        out |= {"rope.scaling.type": "yarn", "rope.scaling.factor": float(scaling["factor"]),
+                "rope.scaling.original_context_length": scaling["original_max_position_embeddings"]}
+        for hf_key, key in (("extrapolation_factor", "yarn_ext_factor"), ("attention_factor", "yarn_attn_factor"),
+                            ("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if scaling.get(hf_key) is not None:
+                out[f"rope.scaling.{key}"] = float(scaling[hf_key])
     if arch == "phi3" and scaling:
         orig = raw.get("original_max_position_embeddings") or scaling["original_max_position_embeddings"]
         out |= {"rope.scaling.original_context_length": orig,

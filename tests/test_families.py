@@ -1,7 +1,8 @@
 """Families beyond Llama/Qwen in Hugging Face format (Mistral, Phi-3, Gemma 2, Gemma 3 text; the mixture-of-experts
-Qwen3-MoE and GLM-4-MoE), each checked against transformers on a tiny random-weight model built from the family's
-own config class (``tiny_models.py``: a sliding window of 24 tokens, shorter than most prompts here; Gemma 3 with
-two sliding layers and a global one; the MoE models with 8 experts, top 2, and a dense layer among sparse ones).
+Qwen3-MoE and GLM-4-MoE; Qwen3 with yarn rope scaling), each checked against transformers on a tiny random-weight
+model built from the family's own config class (``tiny_models.py``: a sliding window of 24 tokens, shorter than most
+prompts here; Gemma 3 with two sliding layers and a global one; the MoE models with 8 experts, top 2, and a dense
+layer among sparse ones; yarn from 64 positions on, factor 4).
 
 Tolerances, float32 both sides: a prompt's logits in one forward within 2e-5 x the largest logit of
 transformers' (measured: 0, the same ops in the same order); chunked prefill and decode steps within 1e-4 x
@@ -19,7 +20,7 @@ import torch
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import kernels
 from kvfence.model.backends import CBackend, TorchBackend, choose_backend
-from kvfence.model.describe import hf_arch
+from kvfence.model.describe import hf_arch, hf_config
 from kvfence.model.llama import Model
 from kvfence.model.loader import load_model
 from tests.server import Server
@@ -101,10 +102,11 @@ def hf_stepwise_logits(model, ids: list[int], first: int) -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_loads_with_its_features(family):
     cfg = load(family).config
-    assert cfg.arch == family.removesuffix("-plain")
+    assert cfg.arch == family.split("-")[0]
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     want = {"mistral": [WINDOW] * 2, "phi3": [WINDOW] * 2, "phi3-plain": [None] * 2, "gemma2": [WINDOW, None],
-            "gemma3": [WINDOW, WINDOW, None], "qwen3_moe": [None] * 3, "glm4_moe": [None] * 3}[family]
+            "gemma3": [WINDOW, WINDOW, None], "qwen3_moe": [None] * 3, "glm4_moe": [None] * 3,
+            "qwen3-yarn": [None] * 2}[family]
     assert windows == want
     if family.startswith("gemma"):
         assert (cfg.hidden_act, cfg.norm_offset, cfg.sandwich_norms, cfg.embed_scale) == ("gelu_tanh", True, True, 8.0)
@@ -115,6 +117,9 @@ def test_each_family_loads_with_its_features(family):
         assert cfg.qk_norm and cfg.rope_local_theta == 1000.0 and cfg.rope_scaling["rope_type"] == "linear"
     if family == "phi3":
         assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.rope_scaling["factor"] == 4096 / 64
+    if family == "qwen3-yarn":
+        assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                    "rope_theta": 10000.0}
     if family in MOE:
         assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_intermediate_size) == (8, 2, 32)
         assert cfg.normalize_expert_weights and cfg.qk_norm
@@ -139,14 +144,16 @@ def test_each_family_loads_with_its_features(family):
 
 @pytest.mark.model
 def test_the_c_backend_runs_only_the_configs_it_computes_exactly():
-    """Llama's forward with other rope tables or fused weights is the C backend's (Phi-3 without a window, Mistral
-    with one covering the context); every other feature goes to torch, and the reason is said."""
+    """Llama's forward with other rope tables or fused weights is the C backend's (Phi-3 without a window, Qwen3
+    with yarn, Mistral with a window covering the context); every other feature goes to torch, and the reason is
+    said."""
     caps, cpu, bf16 = dataclasses.replace(CAPS, flavour="avx2"), torch.device("cpu"), torch.bfloat16
     for family in FAMILIES:
         cfg = load(family).config
         backend, why = choose_backend(caps, cfg, bf16, cpu)
-        assert backend is (CBackend if family == "phi3-plain" else TorchBackend), family
-        assert ("exactly" in why) == (family == "phi3-plain"), why
+        exact = family in ("phi3-plain", "qwen3-yarn")
+        assert backend is (CBackend if exact else TorchBackend), family
+        assert ("exactly" in why) == exact, why
         assert ("mixture-of-experts" in why) == (family in MOE), why
     mistral = load("mistral").config
     assert "sliding-window" in choose_backend(caps, mistral, bf16, cpu)[1]
@@ -204,6 +211,45 @@ def test_moe_options_kvfence_does_not_compute_are_refused_in_one_line():
         with pytest.raises(ValueError, match=match) as err:
             hf_arch(raw)
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("params", [
+    dict(factor=4.0, original_max_position_embeddings=64),
+    dict(factor=8, original_max_position_embeddings=64, beta_fast=16, beta_slow=2, truncate=False),
+    dict(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=0.707),  # DeepSeek's
+    dict(factor=2.0, original_max_position_embeddings=128, attention_factor=1.3),
+], ids=["defaults", "betas-untruncated", "mscale", "attention-factor"])
+def test_yarn_is_transformers_bit_for_bit(params):
+    """The yarn frequencies and attention factor of each option config.json can set, for two head sizes and rope
+    bases, are those of transformers' ``_compute_yarn_parameters``."""
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from kvfence.model.llama import _yarn
+
+    for head_dim, theta in [(32, 10000.0), (64, 1e6)]:
+        cfg = transformers.Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=head_dim,
+                                       max_position_embeddings=int(params["factor"] * 64),
+                                       rope_parameters=dict(rope_type="yarn", rope_theta=theta, **params))
+        want, want_factor = _compute_yarn_parameters(cfg)
+        got, factor = _yarn(params, theta, torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim,
+                            head_dim)
+        assert torch.equal(got, want) and factor == want_factor, (head_dim, theta)
+
+
+@pytest.mark.fast
+def test_yarn_lengths_are_read_as_transformers_and_other_rope_scalings_refused_in_one_line():
+    """A top-level ``original_max_position_embeddings`` comes before the one in ``rope_scaling``, and a missing
+    factor is the ratio of the contexts (transformers' ``standardize_rope_params``); ``dynamic`` is refused."""
+    raw = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 4096,
+           "original_max_position_embeddings": 1024}
+    yarn = hf_config(raw | {"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 2048}}, {})
+    assert yarn.rope_scaling == {"type": "yarn", "rope_type": "yarn", "original_max_position_embeddings": 1024,
+                                 "factor": 4.0}
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM: rope scaling 'dynamic' is not supported") as err:
+        hf_config(raw | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, {})
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.model

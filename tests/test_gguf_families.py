@@ -1,8 +1,9 @@
 """GGUF architectures beyond the bundled SmolLM2: each family's tiny random-weight HF model
 (``tests/tiny_models.py``, built with transformers' own config class) converted to a GGUF as llama.cpp converts it
 (``tests/gguf_convert.py``: its names, llama's Q/K permutation, llama3's ``rope_freqs`` factors, Phi-3's fused
-tensors and longrope factors, stacked experts) loads through kvfence and gives the greedy tokens of the HF directory
-loaded through kvfence (which ``test_model.py`` and ``test_families.py`` check against transformers).
+tensors and longrope factors, yarn's ``rope.scaling`` keys, stacked experts, Mistral as ``llama`` without its window)
+loads through kvfence and gives the greedy tokens of the HF directory loaded through kvfence (which ``test_model.py``
+and ``test_families.py`` check against transformers).
 
 Tolerance, float32: logits within 1e-5 x the largest logit of the HF directory's (measured: identical for every
 family but those whose rope factors llama.cpp stores in float32, llama3 and Phi-3's attention factor, where the
@@ -14,6 +15,7 @@ and compute, bit for bit, what the same file dequantized at load computes.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -28,23 +30,26 @@ from kvfence.model.loader import load_model
 from tests.gguf_convert import write_gguf
 from tests.test_kquants import decode_logits
 from tests.test_model import assert_close, prefill, varied_text
-from tests.tiny_models import EXTRA, TINY, _write_model, greedy, tiny_model_dir
+from tests.tiny_models import EXTRA, TINY, WINDOW, _write_model, greedy, tiny_model_dir
 
 pytest.importorskip("transformers")
 
 # family -> the tiny HF model: tiny_models' own, or one with what llama.cpp's file format can say (Qwen3-MoE: every
 # layer sparse; GLM-4-MoE: one expert group; Gemma: the query scale head_dim ** -0.5; Gemma 3: five sliding layers
-# of six, their rope base 10000)
+# of six, their rope base 10000; Mistral: no sliding window, as llama.cpp computes a Mistral GGUF)
 GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
 VARIANTS = {
     "qwen3_moe": dict(mlp_only_layers=[]),
     "glm4_moe": dict(n_group=1, topk_group=1),
+    "mistral": dict(sliding_window=None),
     "gemma2": dict(query_pre_attn_scalar=16),
     "gemma3": dict(query_pre_attn_scalar=16, num_hidden_layers=6, layer_types=GEMMA3_LAYERS,
                    rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
                                         sliding_attention=dict(rope_type="default", rope_theta=10000.0))),
 }
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3", "glm4_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "phi3-plain", "gemma2", "gemma3", "glm4_moe", "mistral",
+            "qwen3-yarn")
+GGUF_ARCHS = {"mistral": "llama"}  # kvfence's arch of a GGUF where llama.cpp converts a family as another
 REL_TOL = 1e-5
 LENGTHS = (5, 12, 23, 25, 40, 50, 60, 63)
 
@@ -72,7 +77,8 @@ def converted(tmp_path_factory):
 def test_gguf_gives_the_hf_directorys_tokens(converted, family):
     hf_dir, path = converted[family]
     want, got = (load_model(str(p), dtype=torch.float32) for p in (hf_dir, path))
-    assert got.config.arch == want.config.arch == family
+    arch = family.split("-")[0]  # phi3-plain, qwen3-yarn: variants of phi3 and qwen3
+    assert (want.config.arch, got.config.arch) == (arch, GGUF_ARCHS.get(arch, arch))
     assert [got.config.window(i) for i in range(got.config.num_layers)] == [
         want.config.window(i) for i in range(want.config.num_layers)]
     for field in ("rope_local_theta", "rope_theta", "query_scale", "attn_softcap", "final_softcap",
@@ -82,6 +88,9 @@ def test_gguf_gives_the_hf_directorys_tokens(converted, family):
                   "tie_word_embeddings"):
         assert getattr(got.config, field) == getattr(want.config, field), field
     assert got.tokenizer.encode("x = 12 ü") == want.tokenizer.encode("x = 12 ü")
+    if family == "qwen3-yarn":  # llama.cpp's yarn with the defaults of transformers': the same tables
+        assert got.config.rope_scaling["rope_type"] == "yarn"
+        assert torch.equal(got.model.cos, want.model.cos) and torch.equal(got.model.sin, want.model.sin)
     ids = want.tokenizer.encode(varied_text(250, seed=3))[:300]  # past llama3's 256 and Phi-3's 64 positions
     logits = [prefill(m.model, [ids], KVPool(m.config, 32, 16, torch.float32)) for m in (want, got)]
     assert_close(logits[1], logits[0], REL_TOL)
@@ -166,6 +175,23 @@ def test_quantized_stacked_experts_stay_blocks_and_compute_what_dequantized_ones
         assert all(torch.equal(model.backend._moe(e, x[i : i + 1])[0], together[i]) for i in range(0, 300, 7))
 
 
+@pytest.mark.model
+def test_a_mistral_gguf_is_llama_without_the_window(tmp_path):
+    """llama.cpp converts MistralForCausalLM as ``llama`` and writes no sliding window (its llama loader would read
+    none): the windowed tiny Mistral's GGUF attends to every position, as llama.cpp computes it, so it matches the HF
+    model over the first window and differs past it."""
+    hf_dir = tiny_model_dir("mistral")
+    path = write_gguf(hf_dir, tmp_path / "mistral.gguf")
+    meta = read_gguf(path).metadata
+    assert meta["general.architecture"] == "llama" and not [k for k in meta if "sliding_window" in k]
+    want, got = (load_model(str(p), dtype=torch.float32) for p in (hf_dir, path))
+    assert (want.config.sliding_window, got.config.sliding_window, got.config.arch) == (WINDOW, None, "llama")
+    ids = want.tokenizer.encode(varied_text(100, seed=5))[:60]
+    windowed, full = (prefill(m.model, [ids], KVPool(m.config, 8, 16, torch.float32)) for m in (want, got))
+    assert_close(full[:WINDOW], windowed[:WINDOW], REL_TOL)
+    assert (full[WINDOW:] - windowed[WINDOW:]).abs().max() > 0.1
+
+
 @pytest.mark.fast
 def test_unsupported_gguf_architecture_and_rope_scaling_are_refused(tmp_path):
     from kvfence.model.gguf_arch import gguf_config
@@ -179,6 +205,15 @@ def test_unsupported_gguf_architecture_and_rope_scaling_are_refused(tmp_path):
     with pytest.raises(ValueError, match="m.gguf: GGUF architecture 'falcon' is not supported .*qwen3moe"):
         gguf_config(read_gguf(path))
     fields = {k if k.startswith("tokenizer") else f"llama.{k}": v for k, v in base.items()}
-    path = write_fields(tmp_path / "y.gguf", "llama", fields | {"llama.rope.scaling.type": "yarn"})
-    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+    path = write_fields(tmp_path / "d.gguf", "llama", fields | {"llama.rope.scaling.type": "dynamic"})
+    with pytest.raises(ValueError, match="rope scaling 'dynamic' is not supported"):
         gguf_config(read_gguf(path))
+    yarn = fields | {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}
+    assert gguf_config(read_gguf(write_fields(tmp_path / "y.gguf", "llama", yarn))).rope_scaling == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "attention_factor": 0.1 * math.log(4.0) + 1}
+    # llama.cpp's llama loader reads no yarn_* key: a file asking for other betas than its 32 and 1 is refused
+    path = write_fields(tmp_path / "b.gguf", "llama", yarn | {"llama.rope.scaling.yarn_beta_fast": 16.0})
+    with pytest.raises(ValueError, match="b.gguf: GGUF rope.scaling.yarn_beta_fast 16 is not supported") as err:
+        gguf_config(read_gguf(path))
+    assert "\n" not in str(err.value)

@@ -27,8 +27,9 @@ from kvfence.model.loader import LoadedModel, load_model, read_gguf_metadata, sm
 from kvfence.model.tokenizer import Tokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3")
-# the families beyond Llama/Qwen (tests/test_families.py); "phi3-plain" is Phi-3 without rope scaling or window
-FAMILIES = ("mistral", "phi3", "phi3-plain", "gemma2", "gemma3", "qwen3_moe", "glm4_moe")
+# the families beyond Llama/Qwen (tests/test_families.py); "phi3-plain" is Phi-3 without rope scaling or window,
+# "qwen3-yarn" Qwen3 with yarn rope scaling
+FAMILIES = ("mistral", "phi3", "phi3-plain", "gemma2", "gemma3", "qwen3_moe", "glm4_moe", "qwen3-yarn")
 MOE = ("qwen3_moe", "glm4_moe")  # the mixture-of-experts families among them
 WINDOW = 24  # the tiny families' sliding window, shorter than most test prompts
 # the cache is keyed by the code that writes it, so a change to either file rebuilds it
@@ -80,6 +81,12 @@ EXTRA = {
         ),
     ),
     "phi3-plain": dict(tie_word_embeddings=False, sliding_window=None),
+    # qwen3-yarn: yarn from 64 positions on (factor 4; the test prompts and their continuations go past 64)
+    "qwen3-yarn": dict(
+        tie_word_embeddings=False,
+        head_dim=32,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+    ),
     "gemma2": dict(
         head_dim=16,
         sliding_window=WINDOW,
@@ -130,7 +137,7 @@ EXTRA = {
 }
 _CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
             "phi3": "Phi3Config", "phi3-plain": "Phi3Config", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig",
-            "qwen3_moe": "Qwen3MoeConfig", "glm4_moe": "Glm4MoeConfig"}
+            "qwen3_moe": "Qwen3MoeConfig", "glm4_moe": "Glm4MoeConfig", "qwen3-yarn": "Qwen3Config"}
 
 
 # SmolLM2-135M's shapes (docs/models.md), for speed and batch-invariance checks where its weights cannot travel

@@ -34,6 +34,7 @@ _HF_ARCHS = {
     "Glm4MoeForCausalLM": "glm4_moe",
 }
 _WINDOWED = ("mistral", "phi3", "gemma2", "gemma3")  # the families whose sliding windows kvfence computes
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # the rope scalings kvfence computes
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # HF's names of the tanh-approximated GELU
 
 
@@ -247,7 +248,8 @@ def _hf_moe(raw: dict[str, Any], arch: str) -> dict[str, Any]:
 
 def _hf_rope(raw: dict[str, Any], arch: str, max_context: int) -> tuple[float, dict | None, float | None]:
     """``(theta, scaling, local theta)`` from config.json, old style (``rope_theta``, ``rope_scaling``,
-    ``rope_local_base_freq``) or transformers >= 5's ``rope_parameters`` (per layer type for Gemma 3)."""
+    ``rope_local_base_freq``) or transformers >= 5's ``rope_parameters`` (per layer type for Gemma 3). ValueError, one
+    line, for a rope scaling kvfence does not compute (``dynamic``, ...)."""
     params = dict(raw.get("rope_parameters") or {})
     local = None
     if arch == "gemma3":
@@ -259,10 +261,19 @@ def _hf_rope(raw: dict[str, Any], arch: str, max_context: int) -> tuple[float, d
     if not scaling:
         return theta, None, local
     scaling = dict(scaling)
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if arch == "phi3" and kind in ("su", "yarn", "longrope"):  # as transformers' Phi3Config reads them
         scaling["rope_type"] = "longrope"
         scaling.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
         if scaling.get("factor") is None:  # transformers: the ratio of the contexts
             scaling["factor"] = max_context / scaling["original_max_position_embeddings"]
+    elif kind == "yarn":  # as transformers' standardize_rope_params: a top-level original length comes first
+        orig = (raw.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                or max_context)
+        scaling |= {"rope_type": "yarn", "original_max_position_embeddings": orig}
+        if scaling.get("factor") is None:  # transformers: the ratio of the contexts
+            scaling["factor"] = max_context / orig
+    elif kind not in _ROPE_TYPES:
+        name = (raw.get("architectures") or ["(none)"])[0]
+        raise ValueError(f"{name}: rope scaling {kind!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
     return theta, scaling, local

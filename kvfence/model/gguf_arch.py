@@ -1,15 +1,18 @@
 """GGUF architectures: llama.cpp's metadata and tensor names -> kvfence's ``ModelConfig`` and HF tensor names.
 
 Supported ``general.architecture``s, each a family the HF path computes: ``llama`` (llama3 rope scaling from the
-``rope_freqs`` factors), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3`` (fused qkv and gate_up, longrope from the
-``rope_factors_long/short`` tensors), ``gemma2``, ``gemma3`` and ``glm4moe``. Where llama.cpp fixes a hyperparameter
-in its code rather than in the file (Gemma's attention scale by model size, Gemma 3's local rope base and layer
-pattern, Qwen3-MoE's normalized expert weights), the config takes llama.cpp's value, so a GGUF computes what
+``rope_freqs`` factors; Mistral too, which llama.cpp's converter writes as ``llama`` without its sliding window, so
+llama.cpp and kvfence compute it with full attention), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3`` (fused qkv and
+gate_up, longrope from the ``rope_factors_long/short`` tensors), ``gemma2``, ``gemma3`` and ``glm4moe``; rope
+scaling ``yarn`` on any of them, as llama.cpp computes it (``_yarn``). Where llama.cpp fixes a hyperparameter in its
+code rather than in the file (Gemma's attention scale by model size, Gemma 3's local rope base and layer pattern,
+Qwen3-MoE's normalized expert weights, yarn's betas), the config takes llama.cpp's value, so a GGUF computes what
 llama.cpp computes from it. Torch-free: the router reads configs through here.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvfence.config import ModelConfig
@@ -53,6 +56,8 @@ _ARCH_LAYER_NAMES = {
     "glm4moe": {"post_attention_norm": "post_attention_layernorm"},
 }
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+# what llama.cpp computes yarn with where its loader reads no ``rope.scaling.<key>`` (all but grok's and mistral3's)
+_LLAMA_CPP_YARN = {"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_ext_factor": 1.0, "yarn_log_multiplier": 0.0}
 # tensors that are no weights: rope frequency factors, read into the config
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -76,7 +81,8 @@ def hf_name(arch: str, gguf_name: str, num_layers: int) -> str | None:
 
 def gguf_config(parsed: GGUFFile) -> ModelConfig:
     """The config of a GGUF of one of ``ARCHS``; ValueError, naming the file, for another architecture or a feature
-    kvfence does not compute (rope scaling other than llama3 factors, linear and longrope; per-layer head counts)."""
+    kvfence does not compute (rope scaling other than llama3 factors, linear, longrope and yarn as llama.cpp computes
+    it; per-layer head counts)."""
     meta, arch = parsed.metadata, parsed.metadata.get("general.architecture")
     if arch not in ARCHS:
         raise ValueError(f"{parsed.path.name}: GGUF architecture {arch!r} is not supported (supported: "
@@ -112,7 +118,8 @@ def gguf_config(parsed: GGUFFile) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_rope_scaling(parsed, arch, get),
-        sliding_window=get("attention.sliding_window") if arch in ("phi3", "gemma2", "gemma3") else None,
+        # 0 is none: llama.cpp's converter writes it for a Phi-3 without a window (Phi-4), and its loader reads so
+        sliding_window=(get("attention.sliding_window") or None) if arch in ("phi3", "gemma2", "gemma3") else None,
         layer_types=_gemma_layer_types(arch, num_layers, meta) if gemma else (),
         rope_local_theta=float(get("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
         hidden_act="gelu_tanh" if gemma else "silu",
@@ -129,13 +136,17 @@ def gguf_config(parsed: GGUFFile) -> ModelConfig:
 
 def _rope_scaling(parsed: GGUFFile, arch: str, get: Any) -> dict | None:
     """HF-style ``rope_scaling``: ``freq_factors`` (llama3's, as ``rope_freqs`` holds them: inv_freq divided by
-    each), ``longrope`` (Phi-3's long and short factors), ``linear``, or None."""
+    each), ``longrope`` (Phi-3's long and short factors), ``linear``, ``yarn`` (``_yarn``), or None."""
     tensors = {t.name: t for t in parsed.tensors if t.name in ROPE_TENSORS}
 
     def factors(name: str) -> list[float]:
         return [float(x) for x in parsed.tensor_data(tensors[name]).reshape(-1)]
 
     kind = get("rope.scaling.type", "none")
+    if kind == "yarn":
+        if tensors:
+            raise ValueError(f"{parsed.path.name}: GGUF yarn rope scaling with rope factor tensors is not supported")
+        return _yarn(parsed.path.name, get)
     if "rope_factors_long.weight" in tensors:
         orig = int(get("rope.scaling.original_context_length"))
         return {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
@@ -147,8 +158,27 @@ def _rope_scaling(parsed: GGUFFile, arch: str, get: Any) -> dict | None:
         return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     if kind != "none":
         raise ValueError(f"{parsed.path.name}: GGUF rope scaling {kind!r} is not supported (llama3 factors, "
-                         "longrope, linear)")
+                         "longrope, linear, yarn)")
     return None
+
+
+def _yarn(file: str, get: Any) -> dict:
+    """HF-style yarn computing what llama.cpp computes from the file for these architectures: ``rope.scaling.factor``
+    over ``rope.scaling.original_context_length`` (else ``context_length``) positions, betas 32 and 1, truncated
+    correction dims, cos/sin times 0.1 ln(factor) + 1 and ``rope.scaling.attn_factor``. llama.cpp's loaders of these
+    architectures read no ``rope.scaling.yarn_*`` key (its converter writes them from config.json), so a file whose
+    keys ask for other values than llama.cpp's is refused (ValueError, one line): transformers would honour them."""
+    factor = float(get("rope.scaling.factor", 0.0)) or 1.0
+    mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    for key, value in (_LLAMA_CPP_YARN | {"yarn_attn_factor": mscale}).items():
+        found = get(f"rope.scaling.{key}")
+        if found is not None and not math.isclose(found, value, rel_tol=1e-6):
+            raise ValueError(f"{file}: GGUF rope.scaling.{key} {found:g} is not supported (llama.cpp computes yarn "
+                             f"with {value:g} here)")
+    return {"rope_type": "yarn", "factor": factor,
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length",
+                                                        get("context_length"))),
+            "attention_factor": mscale * float(get("rope.scaling.attn_factor", 1.0))}
 
 
 def _gemma_layer_types(arch: str, num_layers: int, meta: dict[str, Any]) -> tuple[str, ...]:

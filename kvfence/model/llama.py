@@ -77,8 +77,10 @@ class Model:
 def _rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, theta: float | None = None,
                  scaling: dict | None | bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin ``[max_context, D]`` (D the rotated dims: ``rotary_dim``, else ``head_dim``), computed
-    in float32 like HF, then cast. ``theta`` and
-    ``scaling`` default to the config's (``scaling=None``: none).
+    in float32 like HF, then cast. ``theta`` and ``scaling`` default to the config's (``scaling=None``: none).
+
+    yarn is one set of frequencies for every position and scales cos and sin by its attention factor, as
+    transformers' ``_compute_yarn_parameters`` and rotary embedding do, so the two agree at every position.
 
     longrope (Phi-3) is a table per position: positions below ``original_max_position_embeddings`` (``orig``)
     rotate with the short factors, the others with the long ones, both scaled by the attention factor, as
@@ -99,6 +101,10 @@ def _rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devic
         short, long, attention_factor = _longrope(scaling, theta, shape)
         orig = min(scaling["original_max_position_embeddings"], cfg.max_context)
         freqs = torch.cat([torch.outer(positions[:orig], short), torch.outer(positions[orig:], long)])
+    elif kind == "yarn":
+        assert scaling is not None  # without one the kind is "default"
+        inv_freq, attention_factor = _yarn(scaling, theta, shape, D)  # [D/2]
+        freqs = torch.outer(positions, inv_freq)  # [max_context, D/2]
     else:
         inv_freq = _scale_rope(1.0 / (theta**shape), scaling)  # [D/2]
         freqs = torch.outer(positions, inv_freq)  # [max_context, D/2]
@@ -121,6 +127,39 @@ def _longrope(scaling: dict, theta: float, shape: torch.Tensor) -> tuple[torch.T
     return short, long, attention_factor
 
 
+def _yarn(scaling: dict, theta: float, shape: torch.Tensor, D: int) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [D/2], attention factor)`` as transformers' ``_compute_yarn_parameters``, op for op: each
+    frequency blends its own value (extrapolation) and its value over ``factor`` (interpolation) along a ramp over
+    the dims between those turning ``beta_fast`` and ``beta_slow`` times in ``original_max_position_embeddings``
+    positions. ``factor`` and ``original_max_position_embeddings`` must be set (``describe`` fills them in)."""
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits ``rotations`` times in orig
+        return (D * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [D/2]
+    extrapolation = 1 - ramp  # the share of each dim's own frequency
+    pos_freqs = theta**shape  # [D/2]
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    return inv_freq, attention_factor
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale ``0.1 * mscale * ln(factor) + 1`` (1 for a factor up to 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
     """Apply HF ``rope_scaling`` to ``inv_freq`` ``[D/2]``: none, linear, llama3, or a GGUF's llama3 factors
     (``freq_factors``: what llama3 computes, as llama.cpp's ``rope_freqs`` stores it); these keep cos/sin unscaled."""
@@ -133,7 +172,8 @@ def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
     if kind == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind != "llama3":
-        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, longrope, freq_factors)")
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope, "
+                         "freq_factors)")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_ctx = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
