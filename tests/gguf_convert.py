@@ -26,22 +26,29 @@ import torch
 
 def sentencepiece_fields(model_file: Path, kind: str) -> dict[str, Any]:
     """The tokenizer fields llama.cpp's ``_create_vocab_sentencepiece`` (``kind`` ``"llama"``) or its T5 converter
-    (``"t5"``: plus the normalizer's precompiled charsmap) writes for a SentencePiece ``model_file``."""
+    (``"t5"``: plus the normalizer's precompiled charsmap) writes for a SentencePiece ``model_file``. Its
+    user-defined pieces are written as the converter writes those ``tokenizer_config.json``'s
+    ``added_tokens_decoder`` lists as not special (Gemma's runs of U+2581, of newlines and of tabs, its HTML tags):
+    ``USER_DEFINED``, score -1000, each U+2581 a bare space (llama.cpp matches them in the raw text)."""
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
     proto = pb.ModelProto()
     proto.ParseFromString(model_file.read_bytes())
+    tokens = [sp.IdToPiece(i) for i in range(sp.vocab_size())]
+    scores = [sp.GetScore(i) for i in range(sp.vocab_size())]
     types = []
     for i in range(sp.vocab_size()):
         types.append(gguf.TokenType.CONTROL if sp.IsControl(i) else gguf.TokenType.UNKNOWN if sp.IsUnknown(i)
                      else gguf.TokenType.UNUSED if sp.IsUnused(i) else gguf.TokenType.BYTE if sp.IsByte(i)
                      else gguf.TokenType.NORMAL)
+        if proto.pieces[i].type == pb.ModelProto.SentencePiece.USER_DEFINED:
+            types[i], tokens[i], scores[i] = gguf.TokenType.USER_DEFINED, tokens[i].replace("\u2581", " "), -1000.0
     fields: dict[str, Any] = {
         "tokenizer.ggml.model": kind,
-        "tokenizer.ggml.tokens": [sp.IdToPiece(i) for i in range(sp.vocab_size())],
-        "tokenizer.ggml.scores": [sp.GetScore(i) for i in range(sp.vocab_size())],
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
         "tokenizer.ggml.token_type": [int(t) for t in types],
         "tokenizer.ggml.unknown_token_id": sp.unk_id(),
         "tokenizer.ggml.add_space_prefix": proto.normalizer_spec.add_dummy_prefix,

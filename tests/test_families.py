@@ -13,6 +13,7 @@ same tolerances (measured: 0 in one forward, as the others).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from kvfence.model import kernels
 from kvfence.model.backends import CBackend, TorchBackend, choose_backend
 from kvfence.model.describe import hf_arch, hf_config
 from kvfence.model.llama import Model
-from kvfence.model.loader import load_model
+from kvfence.model.loader import LoadedModel, load_model
 from tests.server import Server
 from tests.test_model import CHUNK_REL_TOL, REL_TOL, assert_close, check_invariance, hf_logits, prefill, varied_text
 from tests.tiny_models import FAMILIES, MOE, WINDOW, greedy, tiny_model_dir
@@ -382,17 +383,21 @@ def completion_ids(server: Server, model: str, prompt: list[int]) -> str:
     return reply.choices[0].text
 
 
+def check_served(path: Path, loaded: LoadedModel, ids: list[list[int]]) -> None:
+    """Over HTTP with the openai client, ``kvfence serve --model path``: colocated gives the text of ``loaded``'s
+    in-process greedy tokens for each prompt of ``ids`` (``loaded``: ``path`` in bf16, the dtype and backend a worker
+    loads; prefill chunks of 32), and 1 prefill + 1 decode worker (real processes, shm) give exactly colocated's."""
+    want = [loaded.tokenizer.decode(greedy(loaded.model, p, NEW_TOKENS, chunk=32)) for p in ids]
+    with Server("--mode", "colocated", "--model", str(path), *SERVE) as server:
+        colocated = [completion_ids(server, loaded.name, p) for p in ids]
+    assert colocated == want
+    with Server("--model", str(path), "--prefill", "1", "--decode", "1", *SERVE) as server:
+        assert [completion_ids(server, loaded.name, p) for p in ids] == colocated
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_served_colocated_and_disaggregated_give_the_models_tokens(family):
-    """Over HTTP with the openai client: colocated gives the text of the in-process greedy tokens (bf16, the
-    backend a worker loads; prompts of 1 and 2 chunks, below and past the window), and 1 prefill + 1 decode worker
-    (real processes, shm) give exactly colocated's."""
-    path, ids = tiny_model_dir(family), [prompts(family)[i] for i in (2, 5, 7)]  # 23, 50 and 63 tokens
-    loaded = load(family, torch.bfloat16)
-    want = [loaded.tokenizer.decode(greedy(loaded.model, p, NEW_TOKENS, chunk=32)) for p in ids]
-    with Server("--mode", "colocated", "--model", str(path), *SERVE) as server:
-        colocated = [completion_ids(server, path.name, p) for p in ids]
-    assert colocated == want
-    with Server("--model", str(path), "--prefill", "1", "--decode", "1", *SERVE) as server:
-        assert [completion_ids(server, path.name, p) for p in ids] == colocated
+    """``check_served`` on the family's HF directory: prompts of 1 and 2 chunks, below and past the window."""
+    check_served(tiny_model_dir(family), load(family, torch.bfloat16),
+                 [prompts(family)[i] for i in (2, 5, 7)])  # 23, 50 and 63 tokens

@@ -11,6 +11,9 @@ rope tables differ in the last bits).
 
 The MoE families with their stacked experts quantized (Q4_1, Q8_0) keep each expert's weights as blocks in bf16
 and compute, bit for bit, what the same file dequantized at load computes.
+
+Served (``test_families.check_served``): the GGUFs of Gemma 2, Phi-3 and Qwen3-MoE (its experts Q4_1/Q8_0) give, over
+HTTP, colocated the in-process greedy tokens of the file in bf16, and disaggregated exactly colocated's.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from kvfence.model.blocks import BlockWeight
 from kvfence.model.gguf_file import read_gguf
 from kvfence.model.loader import load_model
 from tests.gguf_convert import write_gguf
+from tests.test_families import check_served
 from tests.test_kquants import decode_logits
 from tests.test_model import assert_close, prefill, varied_text
 from tests.tiny_models import EXTRA, TINY, WINDOW, _write_model, greedy, tiny_model_dir
@@ -173,6 +177,21 @@ def test_quantized_stacked_experts_stay_blocks_and_compute_what_dequantized_ones
         assert chosen.unique().tolist() == list(range(cfg.num_experts))
         together = model.backend._moe(e, x)  # [300, hidden]
         assert all(torch.equal(model.backend._moe(e, x[i : i + 1])[0], together[i]) for i in range(0, 300, 7))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen3_moe"])
+def test_served_gguf_colocated_and_disaggregated_give_the_models_tokens(tmp_path, family):
+    """``check_served`` on a dense family's GGUF other than Llama's (Gemma 2: its soft caps and alternating window;
+    Phi-3: fused tensors, longrope and a window) and on Qwen3-MoE's with its stacked experts in Q4_1 and Q8_0
+    (``EXPERT_FORMATS``): prompts of 1 and 2 chunks, below and past the window."""
+    path = write_gguf(hf_model(family, tmp_path), tmp_path / f"{family}.gguf", EXPERT_FORMATS.get(family))
+    loaded = load_model(str(path), dtype=torch.bfloat16)
+    assert loaded.config.arch == family
+    if family in EXPERT_FORMATS and kernels.detect().block_weights:  # the experts are served as the file's blocks
+        assert all(isinstance(w, BlockWeight) for w in expert_matrices(loaded.model).values())
+    ids = [loaded.tokenizer.encode(varied_text(n, seed=i))[:n] for i, n in enumerate((23, 50, 63))]
+    check_served(path, loaded, ids)
 
 
 @pytest.mark.model
