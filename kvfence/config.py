@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Full-context requests a role's default KV pool holds. Decode keeps requests for their whole life; prefill
 # holds a prompt only until its pages reach decode, so one context (what L0 asks) is enough there.
 POOL_CONTEXTS = {"prefill": 1, "decode": 2, "colocated": 2}
 POOL_DEFAULTS = f"{POOL_CONTEXTS['decode']} x max context; {POOL_CONTEXTS['prefill']} x on prefill workers"
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale ``0.1 * mscale * ln(factor) + 1`` (1 for a factor up to 1): what cos and sin are
+    multiplied by (transformers' ``get_mscale``, llama.cpp's default yarn attention factor)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def default_pool_tokens(max_context: int, role: str) -> int:

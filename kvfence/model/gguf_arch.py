@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvfence.config import ModelConfig
+from kvfence.config import ModelConfig, yarn_mscale
 from kvfence.model.gguf_file import GGUFFile
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "glm4moe")
@@ -169,7 +169,7 @@ def _yarn(file: str, get: Any) -> dict:
     architectures read no ``rope.scaling.yarn_*`` key (its converter writes them from config.json), so a file whose
     keys ask for other values than llama.cpp's is refused (ValueError, one line): transformers would honour them."""
     factor = float(get("rope.scaling.factor", 0.0)) or 1.0
-    mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    mscale = yarn_mscale(factor)
     for key, value in (_LLAMA_CPP_YARN | {"yarn_attn_factor": mscale}).items():
         found = get(f"rope.scaling.{key}")
         if found is not None and not math.isclose(found, value, rel_tol=1e-6):

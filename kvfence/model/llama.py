@@ -14,7 +14,7 @@ import math
 import torch
 
 from kvfence import env
-from kvfence.config import ModelConfig
+from kvfence.config import ModelConfig, yarn_mscale
 from kvfence.kvcache.pool import KVPool
 from kvfence.model import kernels
 from kvfence.model.backends import Backend, choose_backend
@@ -136,8 +136,8 @@ def _yarn(scaling: dict, theta: float, shape: torch.Tensor, D: int) -> tuple[tor
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention_factor = (float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+        attention_factor = (float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
 
     def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits ``rotations`` times in orig
         return (D * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
@@ -153,11 +153,6 @@ def _yarn(scaling: dict, theta: float, shape: torch.Tensor, D: int) -> tuple[tor
     pos_freqs = theta**shape  # [D/2]
     inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
     return inv_freq, attention_factor
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude scale ``0.1 * mscale * ln(factor) + 1`` (1 for a factor up to 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _scale_rope(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
