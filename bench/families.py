@@ -5,8 +5,8 @@ Each family's random-weight model is built with its own transformers config clas
 family's own layout where it has one: see ``FAMILIES``), saved as a bf16 HF directory, loaded by kvfence in bf16
 on the CPU and driven in process by the colocated ``Engine`` (``bench/decode.py``'s ``KvfenceRunner``): prompts
 of 128 tokens, greedy, EOS ignored; tok/s counts the tokens of the decode steps alone (prefill done first). One
-thread by default: on a shared 2-core host two threads wait on each other's core (a first try with two: Llama 6.9
-and Qwen3-MoE 1.6 tok/s at batch 1, against 32.3 and 26.7 with one in the recorded run).
+thread by default: on a 2-core host that runs anything else, two threads wait on each other's core (a first try
+with two, while other work loaded the host, ran at a fifth of the one-thread rate).
 
     .venv/bin/python bench/families.py [--threads 1] [--new-tokens 32] [--rounds 1] [--json bench/results/families.json]
 """
