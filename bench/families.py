@@ -31,25 +31,9 @@ sys.path.insert(0, str(ROOT))
 from bench.decode import KvfenceRunner, weight_bytes_per_token  # noqa: E402
 from kvfence.model import kernels  # noqa: E402
 from kvfence.model.loader import load_model  # noqa: E402
-from tests.tiny_models import _write_model  # noqa: E402
+from tests.tiny_models import SMOLLM2_SHAPE, _write_model  # noqa: E402
 
-BASE = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    initializer_range=0.02,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-)
+BASE = dict(SMOLLM2_SHAPE, head_dim=64)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=384, norm_topk_prob=True)
 # family -> its layout beyond BASE, after a real checkpoint of the family: Mistral-7B-v0.1's 4096 window; Phi-3-mini's
 # heads (one K/V head per query head) and 2047 window; Gemma 2's alternating 4096 windows, soft caps and query scale;
