@@ -98,17 +98,15 @@ class Weights:
         ``device``. ``keep_blocks``: GGUF block weights stay blocks (the same bits as dequantized, a third of the
         bytes; only where the C kernels run), else they are dequantized here."""
 
-        def get(name: str) -> torch.Tensor | BlockWeight:
-            w = sd[name]
-            if isinstance(w, BlockWeight):
-                if keep_blocks and w.shape[0] % 16 == 0:
-                    return w
-                w = w.dequantize()
-            return w.to(device=device, dtype=dtype).contiguous()
-
         def tensor(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:  # never blocks: norms, biases, routers
             w = sd[name]
             return (w.dequantize() if isinstance(w, BlockWeight) else w).to(device=device, dtype=as_dtype).contiguous()
+
+        def get(name: str) -> torch.Tensor | BlockWeight:  # a matmul weight: blocks stay where they may
+            w = sd[name]
+            if isinstance(w, BlockWeight) and keep_blocks and w.shape[0] % 16 == 0:
+                return w
+            return tensor(name)
 
         def norm(name: str) -> torch.Tensor:  # gemma multiplies by (1 + w) in float32, as transformers does
             return tensor(name).float() + 1.0 if cfg.norm_offset else tensor(name)
