@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import peers  # noqa: E402
 from bench.decode import KvfenceRunner, weight_bytes_per_token  # noqa: E402
 from kvfence.model import kernels  # noqa: E402
 from kvfence.model.loader import load_model  # noqa: E402
@@ -56,11 +57,8 @@ FAMILIES: dict[str, dict] = {
 
 
 def cpu() -> dict:
-    """The CPU's model name and flags as ``lscpu`` gives them, and the C kernels' capabilities here."""
-    fields = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True,
-                                                                 check=True).stdout.splitlines() if ":" in line)
-    return {"model": fields.get("Model name", "?").strip(), "cpus": int(fields.get("CPU(s)", "0")),
-            "flags": fields.get("Flags", "").split(), "kernels": kernels.detect().summary()}
+    """``bench/peers.py``'s CPU record (model, cores, the flags that pick kernels) and the C kernels' capabilities."""
+    return {**peers.cpu(), "kernels": kernels.detect().summary()}
 
 
 def measure(family: str, new_tokens: int, rounds: int) -> dict:
@@ -109,7 +107,8 @@ def main() -> None:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     c = result["cpu"]
-    print(f"\n{c['model']} ({c['cpus']} CPUs, {torch.get_num_threads()} threads), {result['date']}, {result['commit']}")
+    when = f"{result['date']}, {result['commit']}"
+    print(f"\n{c['model']} ({c['cores']} cores, {torch.get_num_threads()} threads), {when}")
     print(f"flags: {' '.join(c['flags'])}\nC kernels: {c['kernels']}\n")
     print(f"{'family':<11}{'layers':>7}{'weights MB':>12}{'batch 1':>9}{'batch 8':>9}  backend")
     for r in rows:
