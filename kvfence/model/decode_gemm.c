@@ -844,7 +844,7 @@ static inline __attribute__((always_inline)) void attend_heads(const uint16_t *q
     const int64_t D = DV * 16, ld = (S + 15) / 16 * 16, rows = (h1 - h0) * G; /* score rows: (head, query) */
     const int64_t GB = DV <= 4 ? 4 : DV <= 8 ? 2 : 1;                        /* GB * DV <= 16 accumulators */
     const int64_t span = (h1 - h0) * D, whole = h0 == 0 && h1 == KV;         /* K (and V) values a slot gives */
-    float mx[MAX_H];
+    float mx[MAX_H], inv[MAX_H]; /* per score row: its max, then 1 / its weights' sum */
     for (int64_t r = 0; r < rows; r++) mx[r] = -FLT_MAX;
     for (int64_t p0 = 0; p0 < S; p0 += 16) {
         const int n = block_rows(S - p0);
@@ -881,7 +881,7 @@ static inline __attribute__((always_inline)) void attend_heads(const uint16_t *q
             _mm512_storeu_ps(row + p, e);
             sum = _mm512_add_ps(sum, e);
         }
-        mx[r] = 1.0f / _mm512_reduce_add_ps(sum);
+        inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
     }
     for (int64_t h = h0; h < h1; h++)
         for (int64_t g0 = 0; g0 < G; g0 += GB) { /* weighted sum of V, position by position */
@@ -898,10 +898,10 @@ static inline __attribute__((always_inline)) void attend_heads(const uint16_t *q
             }
             UNROLL for (int g = 0; g < GB; g++) {
                 if (g0 + g >= G) break;
-                const __m512 inv = _mm512_set1_ps(mx[(h - h0) * G + g0 + g]);
+                const __m512 scale_out = _mm512_set1_ps(inv[(h - h0) * G + g0 + g]);
                 UNROLL for (int v = 0; v < DV; v++)
                     _mm256_storeu_si256((__m256i *)(out + (h * G + g0 + g) * D + v * 16),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g][v], inv)));
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g][v], scale_out)));
             }
         }
 }
