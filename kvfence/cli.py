@@ -336,19 +336,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sockets = private_socket_dir()
     router_addr = f"ipc://{sockets}/router"
     workers = []
-    threads, solo = local_threads(args)
+    threads = local_threads(args)
     for role, count, role_pool in (("prefill", args.prefill, args.prefill_pool_tokens),
                                    ("decode", args.decode, args.decode_pool_tokens)):
         pool = role_pool or args.kv_pool_tokens or default_pool_tokens(max_context, role)
         refuse_to_start_unless_fits(role, pool, args.page_size, max_context)
         workers += [worker_settings(args, role, f"ipc://{sockets}/{role}-{i}", router_addr, max_context, pool,
-                                    threads=threads, solo_threads=solo[role], key=key) for i in range(count)]
+                                    threads=threads[role][0], solo_threads=threads[role][1], key=key)
+                    for i in range(count)]
     engine = make_remote_engine(args, router_addr, None, name, max_context, len(workers), tenants, key)
     supervisor = Supervisor(workers, engine.worker_died)
     supervisor.start()
-    log.info("started %d prefill and %d decode workers (transfer %s, %s threads each%s; cluster %s)", args.prefill,
-             args.decode, args.transfer, threads or "torch's default",
-             "".join(f"; {role} {n} while the other role idles" for role, n in solo.items() if n), key.fingerprint)
+    log.info("started %d prefill and %d decode workers (transfer %s, threads: %s; cluster %s)", args.prefill,
+             args.decode, args.transfer, "; ".join(
+                 f"{role} {n or 'torch default'}" + (f", {solo} while no prefill works for it" if solo else "")
+                 for role, (n, solo) in threads.items()), key.fingerprint)
     try:
         return run_http(args, engine, tokenizer, tenants, supervisor)
     finally:
@@ -509,21 +511,21 @@ def served_context(args: argparse.Namespace, model_context: int) -> int:
     return args.max_context
 
 
-def local_threads(args: argparse.Namespace) -> tuple[int, dict[str, int]]:
-    """``(threads, {role: solo_threads})`` for the workers ``serve`` starts on this host.
+def local_threads(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """``{role: (threads, solo_threads)}`` for the workers ``serve`` starts on this host.
 
     ``--threads`` if given (no solo), else the cores split evenly between the workers: OpenMP threads
-    that outnumber the cores stall at every barrier (one waits for a descheduled peer), so a prefill and
-    a decode worker on 2 cores run fastest with 1 thread each. A lone decode worker knows when no prefill
-    works for it (each prefill follows a grant of its pages), and then runs its C kernels on every core;
-    so does the prefill worker of a 1 + 1 deployment while the router saw both idle (``Prefill.idle_pair``).
+    that outnumber the cores stall at every barrier (one waits for a descheduled peer). A lone decode
+    worker knows when no prefill works for it (each prefill follows a grant of its pages): it then runs
+    its C kernels on every core, and while one does it steps on its share and pauses between steps
+    (``DecodeWorker.paused_until``), so the prefill worker of a 1 + 1 deployment computes on every core.
     """
     if args.threads or args.device != "cpu":
-        return args.threads, {"prefill": 0, "decode": 0}
+        return {"prefill": (args.threads, 0), "decode": (args.threads, 0)}
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // (args.prefill + args.decode))
     solo = cores if args.decode == 1 and cores > threads else 0
-    return threads, {"prefill": solo if args.prefill == 1 else 0, "decode": solo}
+    return {"prefill": (solo if solo and args.prefill == 1 else threads, 0), "decode": (threads, solo)}
 
 
 def engine_config(args: argparse.Namespace, role: str, max_context: int, pool_tokens: int):

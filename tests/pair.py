@@ -60,13 +60,15 @@ class Wire:
 class Pair:
     def __init__(self, model: str, *, max_context: int, prefill_pool: int, decode_pool: int, page_size: int = 16,
                  emulate_incident: bool = False, dtype: str = "float32", step_tokens: int = 512,
-                 handoff_timeout: float = 30.0, limits: DispatchLimits | None = None) -> None:
+                 handoff_timeout: float = 30.0, limits: DispatchLimits | None = None,
+                 decode_solo_threads: int = 0) -> None:
         def settings(role: str, pool: int) -> WorkerSettings:
             engine = EngineConfig(max_context=max_context, kv_pool_tokens=pool, page_size=page_size, chunk_size=64,
                                   step_tokens=step_tokens, prefix_caching=True, role=role)
             return WorkerSettings(bind=f"tcp://127.0.0.1:{free_port()}", router=ROUTER, model=model, dtype=dtype,
                                   device="cpu", engine=engine, emulate_incident=emulate_incident,
-                                  handoff_timeout=handoff_timeout)
+                                  handoff_timeout=handoff_timeout,
+                                  solo_threads=decode_solo_threads if role == "decode" else 0)
 
         self.prefill = PrefillWorker(settings("prefill", prefill_pool))
         self.decode = DecodeWorker(settings("decode", decode_pool))

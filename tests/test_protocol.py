@@ -321,30 +321,6 @@ def request(n: int = 6, max_tokens: int = 2) -> Request:
     return Request(list(range(1, n + 1)), SamplingParams(max_tokens), "tenant-a", rid=RID)
 
 
-def test_router_marks_a_prompt_whose_pair_has_nothing_else_as_an_idle_pair():
-    """The hint that lets a 1 + 1 prefill worker run its kernels on every core; the first of two is idle, the second
-    (same pair, since both workers now hold one) is not; after the first ends the pair is idle again."""
-    core = RouterCore(R, max_context=64, safety=SAFE)
-    for h in (hello(P, "prefill"), hello(D, "decode")):
-        core.worker_up(h)
-    first = core.submit(request())
-    second = core.submit(Request([1, 2, 3], SamplingParams(2), "tenant-a", rid=RID + 1))
-    assert [a.msg.idle_pair for a in first + second if isinstance(a.msg, Prefill)] == [True, False]
-    core.handle(D, Output(RID, [7, 8], "ab", "length", 6, 2))
-    core.handle(D, Output(RID + 1, [7, 8], "ab", "length", 3, 2))
-    third = core.submit(Request([1, 2], SamplingParams(2), "tenant-a", rid=RID + 2))
-    assert [a.msg.idle_pair for a in third if isinstance(a.msg, Prefill)] == [True]
-
-
-def test_prefill_knows_when_every_prompt_it_holds_came_to_an_idle_pair():
-    core = prefill_core()
-    assert not core.idle_pair()
-    core.handle(R, Prefill(RID, "tenant-a", [1, 2, 3], Params(2), D, idle_pair=True), now=0)
-    assert core.idle_pair()
-    core.handle(R, Prefill(RID + 1, "tenant-a", [1, 2, 3], Params(2), D), now=0)
-    assert not core.idle_pair()
-
-
 def test_router_tells_prefills_about_decode_targets_first():
     core = RouterCore(R, max_context=64, safety=SAFE)
     assert core.worker_up(hello(D, "decode")) == []
@@ -392,7 +368,7 @@ def test_router_sends_admit_and_prefill_to_the_least_loaded_pair():
     out = router_core().submit(request())
     params = Params(2)
     assert out == [Send(D, Admit(RID, "tenant-a", [1, 2, 3, 4, 5, 6], params, P)),
-                   Send(P, Prefill(RID, "tenant-a", [1, 2, 3, 4, 5, 6], params, D, idle_pair=True))]
+                   Send(P, Prefill(RID, "tenant-a", [1, 2, 3, 4, 5, 6], params, D))]
 
 
 def test_router_spreads_a_burst_between_heartbeats_over_decode_workers():

@@ -111,7 +111,6 @@ class Prefill(RequestMsg, frozen=True):
     prompt_ids: list[int]
     params: Params
     decode: str  # the decode worker's id
-    idle_pair: bool = False  # the router had no other request on this prefill or this decode worker (a hint)
     weight: float = 1.0  # the tenant's share weight: prefill computes prompts in weighted fair order
     cache_salt: str | None = None  # with ``tenant``, the scope of prefill's prefix cache
     public_tokens: int = 0  # the prompt starts with this many tokens of an admin-published prefix (public pages)

@@ -89,10 +89,6 @@ class PrefillCore:
         self.emulate_incident = emulate_incident
         self.reqs: dict[int, PrefillReq] = {}
 
-    def idle_pair(self) -> bool:
-        """Whether every request here came when the router knew of no other on this worker or its decode worker."""
-        return bool(self.reqs) and all(r.msg is not None and r.msg.idle_pair for r in self.reqs.values())
-
     def handle(self, sender: str, msg: Message, now: float) -> list[Action]:
         match msg:
             case Prefill():

@@ -472,7 +472,6 @@ class RouterCore:
         reserved = self._decode_pages(d, req)
         rid = self.wire_rid(req.rid)
         self.reqs[rid] = RouterReq(rid, req.tenant, prefill, decode, req, req.prompt_len, reserved)
-        idle_pair = p.in_flight == d.in_flight == 0
         p.in_flight += 1
         d.in_flight += 1
         p.backlog_tokens += req.prompt_len
@@ -481,7 +480,7 @@ class RouterCore:
         params = Params.of(req.params)
         return [
             Send(decode, Admit(rid, req.tenant, req.prompt_ids, params, prefill, req.weight)),
-            Send(prefill, Prefill(rid, req.tenant, req.prompt_ids, params, decode, idle_pair, req.weight,
+            Send(prefill, Prefill(rid, req.tenant, req.prompt_ids, params, decode, req.weight,
                                   req.cache_salt, req.public_tokens)),
         ]
 

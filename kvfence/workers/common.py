@@ -11,6 +11,7 @@ again under the new epoch (the executor does it).
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -48,7 +49,7 @@ class WorkerBase:
         self.faults = Faults.from_env()
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        self.base_threads = torch.get_num_threads()
+        self.base_threads = torch.get_num_threads()  # a decode worker's while it shares the cores
         self.dtype = getattr(torch, settings.dtype)
         self.loaded = load_model(settings.model, dtype=self.dtype, device=settings.device)
         freeze_loaded_objects()
@@ -79,14 +80,6 @@ class WorkerBase:
         return KVPool(self.loaded.config, engine.num_pages, engine.page_size, self.dtype, self.settings.device,
                       buffer=buffer)
 
-    def set_threads(self, other_role_idle: bool) -> None:
-        """With ``solo_threads``, the worker computes on that many threads while the other role idles, else on its
-        own count, as far as the model's backend allows (``Backend.set_threads``: calibrated torch matmuls keep
-        theirs). The bits are the same on any count (tested), so this only moves speed."""
-        if not self.settings.solo_threads:
-            return
-        self.loaded.model.backend.set_threads(self.settings.solo_threads if other_role_idle else self.base_threads)
-
     # -- what each role provides ------------------------------------------------------
 
     @property
@@ -107,6 +100,10 @@ class WorkerBase:
 
     def has_work(self) -> bool:
         return self.engine.has_work
+
+    def paused_until(self) -> float:
+        """A ``time.monotonic()`` before which the loop takes no step although there is work (it still receives)."""
+        return 0.0
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
@@ -138,11 +135,13 @@ class WorkerBase:
         tidied = False
         while not self.stop_requested:
             now = time.monotonic()
-            busy = self.has_work()
-            for env in self.channel.receive(0 if busy else int(TICK_S * 1000)):
+            work, resume = self.has_work(), self.paused_until()
+            wait = TICK_S if not work else 0.0 if resume <= now else min(TICK_S, resume - now)
+            for env in self.channel.receive(math.ceil(wait * 1000)):
                 self.executor.receive(env.sender, env.msg)
             if self.has_work():
-                self.step()
+                if self.paused_until() <= time.monotonic():
+                    self.step()
                 idle_since = None
             elif idle_since is None:
                 self.check_integrity()  # idle: every held page belongs to a live request

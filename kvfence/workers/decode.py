@@ -25,6 +25,12 @@ from kvfence.workers.common import WorkerBase, WorkerSettings
 
 log = logging.getLogger(__name__)
 
+# Sharing its cores with a prefill worker (``WorkerSettings.solo_threads``), decode gives them to the prompts on
+# their way to it: after a step taken while one is pending it pauses PREFILL_YIELD times that step, at most
+# MAX_PAUSE_S. A burst of prompts then prefills on every core, and running streams still advance at a bounded pace.
+PREFILL_YIELD = 4.0
+MAX_PAUSE_S = 0.1
+
 
 class DecodeWorker(WorkerBase):
     role = "decode"
@@ -43,6 +49,7 @@ class DecodeWorker(WorkerBase):
         self._executor = DecodeExecutor(self.core, self, self.channel, time.monotonic)
         self.verified: dict[int, str] = {}  # rid -> how its landing was verified, for its last Output
         self.flip_random = self.faults.rng("flip") if self.faults and self.faults.flip else None
+        self.paused_after_step = 0.0  # see PREFILL_YIELD
 
     @property
     def engine(self) -> Engine:
@@ -70,9 +77,21 @@ class DecodeWorker(WorkerBase):
                      backend=self.backend, prompt_tokens_computed=self._engine.prompt_tokens_computed,
                      safety_off=self.safety.disabled)
 
+    def paused_until(self) -> float:
+        """Yielding to a prefill worker on the same cores: the pause ends early once no prefill works for this one."""
+        return self.paused_after_step if self.settings.solo_threads and self.core.prefill_pending() else 0.0
+
     def step(self) -> None:
-        self.set_threads(other_role_idle=not self.core.prefill_pending())
+        """One engine step on every core (``solo_threads``) while no prefill works for this worker, else on its
+        share of them, then a pause (``paused_until``). The bits are the same on any thread count (tested)."""
+        shared = self.core.prefill_pending()
+        if self.settings.solo_threads:
+            self.loaded.model.backend.set_threads(self.base_threads if shared else self.settings.solo_threads)
+        start = time.monotonic()
         outputs = self._engine.step()
+        if shared:
+            now = time.monotonic()
+            self.paused_after_step = now + min(PREFILL_YIELD * (now - start), MAX_PAUSE_S)
         self._executor.outputs([self.to_message(out) for out in outputs])
         if outputs and self.faults and self.faults.slow_step:
             time.sleep(self.faults.slow_step)

@@ -219,7 +219,6 @@ class PrefillWorker(WorkerBase):
                      safety_off=self.safety.disabled)
 
     def step(self) -> None:
-        self.set_threads(other_role_idle=self.core.idle_pair())
         if self.runner.has_work:
             self.runner.step()
             for rid, tokens in self.runner.progressed.items():

@@ -24,7 +24,7 @@ class WorkerSettings:
     advertise: str | None = None
     emulate_incident: bool = False
     threads: int = 0  # CPU threads (0: torch's default)
-    solo_threads: int = 0  # threads when the other role idles (decode: no prefill pending; prefill: idle_pair)
+    solo_threads: int = 0  # decode: threads while no prefill works for it, pausing between steps while one does
     log_level: str = "INFO"
     handoff_timeout: float = 30.0  # a handoff (pages granted -> Done) may go this long without progress
     cluster_key: ClusterKey | None = None  # membership (cluster.py); crosses the spawn in the pickle, never on disk
