@@ -214,11 +214,8 @@ class HandshakeWatch:
         self.throttle = Throttle(log)
 
     def check(self) -> None:
-        while True:
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while self.monitor.poll(0):  # not a NOBLOCK recv: the zmq.Again it raises costs at every call
+            event = recv_monitor_message(self.monitor)
             kind, value, endpoint = event["event"], event["value"], event["endpoint"].decode(errors="replace")
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 why = "refused by the cluster's gate: not this cluster's key"
