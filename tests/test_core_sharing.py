@@ -71,7 +71,6 @@ def test_decode_pauses_while_a_prompt_is_on_its_way_and_resumes_when_it_lands(mo
     else:
         assert kernels.threads() == 1 or not counts_threads  # its share while prefill computes
         assert before < paused <= time.monotonic() + MAX_PAUSE_S
-        assert not decode.has_work() or paused > time.monotonic()  # the loop would not step now
     assert pair.step_until(lambda: not decode.core.prefill_pending())
     assert decode.paused_until() == 0.0  # the prompt landed: no pause left
     pair.run()

@@ -84,12 +84,12 @@ class DecodeWorker(WorkerBase):
     def step(self) -> None:
         """One engine step on every core (``solo_threads``) while no prefill works for this worker, else on its
         share of them, then a pause (``paused_until``). The bits are the same on any thread count (tested)."""
-        shared = self.core.prefill_pending()
-        if self.settings.solo_threads:
-            self.loaded.model.backend.set_threads(self.base_threads if shared else self.settings.solo_threads)
+        solo, shared = self.settings.solo_threads, self.core.prefill_pending()
+        if solo:
+            self.loaded.model.backend.set_threads(self.base_threads if shared else solo)
         start = time.monotonic()
         outputs = self._engine.step()
-        if shared:
+        if solo and shared:
             now = time.monotonic()
             self.paused_after_step = now + min(PREFILL_YIELD * (now - start), MAX_PAUSE_S)
         self._executor.outputs([self.to_message(out) for out in outputs])
