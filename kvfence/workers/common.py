@@ -49,7 +49,6 @@ class WorkerBase:
         self.faults = Faults.from_env()
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        self.base_threads = torch.get_num_threads()  # a decode worker's while it shares the cores
         self.dtype = getattr(torch, settings.dtype)
         self.loaded = load_model(settings.model, dtype=self.dtype, device=settings.device)
         freeze_loaded_objects()
@@ -136,7 +135,7 @@ class WorkerBase:
         while not self.stop_requested:
             now = time.monotonic()
             work, resume = self.has_work(), self.paused_until()
-            wait = TICK_S if not work else 0.0 if resume <= now else min(TICK_S, resume - now)
+            wait = min(TICK_S, max(0.0, resume - now)) if work else TICK_S
             for env in self.channel.receive(math.ceil(wait * 1000)):
                 self.executor.receive(env.sender, env.msg)
             if self.has_work():

@@ -12,6 +12,8 @@ import logging
 import os
 import time
 
+import torch
+
 from kvfence.core import FinishReason, Request, RequestOutput
 from kvfence.engine.engine import Engine
 from kvfence.faults import flip_one_byte
@@ -50,6 +52,7 @@ class DecodeWorker(WorkerBase):
         self.verified: dict[int, str] = {}  # rid -> how its landing was verified, for its last Output
         self.flip_random = self.faults.rng("flip") if self.faults and self.faults.flip else None
         self.paused_after_step = 0.0  # see PREFILL_YIELD
+        self.shared_threads = torch.get_num_threads()  # its share while a prefill works for it
 
     @property
     def engine(self) -> Engine:
@@ -86,7 +89,7 @@ class DecodeWorker(WorkerBase):
         share of them, then a pause (``paused_until``). The bits are the same on any thread count (tested)."""
         solo, shared = self.settings.solo_threads, self.core.prefill_pending()
         if solo:
-            self.loaded.model.backend.set_threads(self.base_threads if shared else solo)
+            self.loaded.model.backend.set_threads(self.shared_threads if shared else solo)
         start = time.monotonic()
         outputs = self._engine.step()
         if solo and shared:
