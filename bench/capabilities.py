@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import peers  # noqa: E402
+
 WORKLOADS = [("decode", 1), ("decode", 16), ("prefill", 2048)]
 # torch's own kernels (MKL's and oneDNN's bf16 products, ATen's vector code) would still use AMX here: each forced
 # flavour caps them to that CPU's instructions too, so the little the forward leaves to torch runs as it would there
@@ -62,15 +64,6 @@ def child() -> None:
         print(json.dumps({"tok_s": rate}), flush=True)
 
 
-def cpu_description() -> tuple[str, str]:
-    """The CPU model and its SIMD flags that matter here."""
-    info = Path("/proc/cpuinfo").read_text().splitlines()
-    name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-    return name, " ".join(f for f in wanted if f in flags)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -109,7 +102,7 @@ def main() -> None:
     for p in procs.values():
         p.stdin.close()
         p.wait(timeout=60)
-    name, flags = cpu_description()
+    name, flags = peers.cpu()["model"], " ".join(peers.cpu()["flags"])
     header = "| flavour | " + " | ".join(
         f"{'decode batch' if k == 'decode' else 'prefill'} {n}" for k, n in WORKLOADS) + " |"
     threads = args.threads or torch.get_num_threads()

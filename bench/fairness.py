@@ -29,7 +29,6 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import signal
 import statistics
 import sys
@@ -43,6 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.peers import cpu  # noqa: E402
 from bench.serve import Client, calibrate, make_prompt, pct  # noqa: E402
 
 ADMIN_KEY = "sk-bench-admin"
@@ -211,14 +211,6 @@ def server_args(args) -> list[str]:
     return ["--model", str(tiny_model_dir("llama")), "--max-context", "2048", *args.server_args.split()]
 
 
-def cpu() -> dict:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                platform.processor())
-    flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
-    return {"model": name, "amx": "amx_tile" in flags.split(), "cores": len(os.sched_getaffinity(0))}
-
-
 def print_flood(label: str, result: dict) -> None:
     print(f"\n(a) flood, {label}")
     print(f"{'tenant':<8}{'TTFT med':>10}{'TTFT p90':>10}{'samples':>9}{'waiting':>9}{'done':>6}{'429':>5}{'503':>5}"
@@ -297,7 +289,7 @@ def main() -> None:
     for k in ("fair", "fcfs"):
         print(f"{k:<6}{totals[k]:>12.1f}{victim[k]:>11.2f}s{flooder[k]:>9.2f}s{victim[k] / flooder[k]:>11.2f}")
     print(f"fair / fcfs total throughput: {totals['fair'] / totals['fcfs']:.3f}")
-    print(f"CPU: {report['cpu']['model']} ({report['cpu']['cores']} cores, AMX: {report['cpu']['amx']}); load "
+    print(f"CPU: {report['cpu']['model']} ({report['cpu']['cores']} cores; {' '.join(report['cpu']['flags'])}); load "
           f"average {load_start[0]:.1f} at the start, {report['load_average']['end'][0]:.1f} at the end")
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

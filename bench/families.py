@@ -32,7 +32,7 @@ from bench import peers  # noqa: E402
 from bench.decode import KvfenceRunner, weight_bytes_per_token  # noqa: E402
 from kvfence.model import kernels  # noqa: E402
 from kvfence.model.loader import load_model  # noqa: E402
-from tests.tiny_models import SMOLLM2_SHAPE, _write_model  # noqa: E402
+from tests.tiny_models import SMOLLM2_SHAPE, write_model  # noqa: E402
 
 BASE = dict(SMOLLM2_SHAPE, head_dim=64)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=384, norm_topk_prob=True)
@@ -66,7 +66,7 @@ def measure(family: str, new_tokens: int, rounds: int) -> dict:
     ``rounds``)."""
     with tempfile.TemporaryDirectory(prefix=f"kvfence-bench-{family}-") as tmp:
         t0 = time.perf_counter()
-        _write_model(BASE | FAMILIES[family], family, 1, torch.bfloat16, Path(tmp))
+        write_model(BASE | FAMILIES[family], family, 1, torch.bfloat16, Path(tmp))
         built = time.perf_counter() - t0
         loaded = load_model(tmp, dtype=torch.bfloat16)
     runner = KvfenceRunner(loaded, torch.bfloat16, "cpu")

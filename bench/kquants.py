@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.peers import cpu  # noqa: E402
 from kvfence.model import kernels  # noqa: E402
 from kvfence.model.blocks import BLOCK_BYTES, BlockWeight  # noqa: E402
 
@@ -62,13 +62,6 @@ def layer_ms(weights: dict[str, torch.Tensor | BlockWeight], rows: int, rounds: 
     return best
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -93,9 +86,9 @@ def main() -> int:
         print(f"{fmt:<8} {row['MB']:>7.1f}" + "".join(f" {row[f'rows{r}']:>16.2f}" for r in ROWS))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_name(), "capabilities": caps.summary(), "threads": 1,
+    out.write_text(json.dumps({"cpu": cpu(), "capabilities": caps.summary(), "threads": 1,
                                "layer": SHAPES, "ms_per_layer": table}, indent=2))
-    print(f"cpu: {cpu_name()}\ncapabilities: {caps.summary()}\nwrote {out}")
+    print(f"cpu: {cpu()['model']}\ncapabilities: {caps.summary()}\nwrote {out}")
     return 0
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.peers import cpu  # noqa: E402
 from kvfence.core import Request, SamplingParams  # noqa: E402
 from kvfence.engine.grammar import Guide, grammar_for, ll_tokenizer  # noqa: E402
 from kvfence.engine.sampler import make_generator, sample, token_logprobs  # noqa: E402
@@ -86,13 +86,6 @@ def per_step_ms(rows: Rows, steps: int, rounds: int) -> float:
     return best * 1e3
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -112,9 +105,9 @@ def main() -> int:
                                       for b in BATCHES))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_name(), "vocab": VOCAB, "rounds": args.rounds, "ms_per_step": table},
+    out.write_text(json.dumps({"cpu": cpu(), "vocab": VOCAB, "rounds": args.rounds, "ms_per_step": table},
                               indent=2))
-    print(f"cpu: {cpu_name()}\nwrote {out}")
+    print(f"cpu: {cpu()['model']}\nwrote {out}")
     return 0
 
 

@@ -34,7 +34,7 @@ from tests.gguf_convert import write_gguf
 from tests.test_families import check_served
 from tests.test_kquants import decode_logits
 from tests.test_model import assert_close, prefill, varied_text
-from tests.tiny_models import EXTRA, TINY, WINDOW, _write_model, greedy, tiny_model_dir
+from tests.tiny_models import EXTRA, TINY, WINDOW, greedy, tiny_model_dir, write_model
 
 pytest.importorskip("transformers")
 
@@ -62,7 +62,7 @@ def hf_model(family: str, root) -> Path:
     """The family's tiny HF directory, as llama.cpp's file format can say it (``VARIANTS``: written under root)."""
     if family not in VARIANTS:
         return tiny_model_dir(family)
-    _write_model({**TINY, **EXTRA[family], **VARIANTS[family]}, family, 11, torch.float32, root / family)
+    write_model({**TINY, **EXTRA[family], **VARIANTS[family]}, family, 11, torch.float32, root / family)
     return root / family
 
 

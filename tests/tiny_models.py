@@ -180,7 +180,7 @@ def smollm2_shaped_dir() -> Path:
     """A random-weight bf16 Llama with SmolLM2-135M's shapes and tokenizer (created once per machine)."""
     path = _CACHE / "smollm2-shaped"
     if not (path / "model.safetensors").exists():
-        _atomic_dir(path, lambda tmp: _write_model(SMOLLM2_SHAPE, "llama", 7, torch.bfloat16, tmp))
+        _atomic_dir(path, lambda tmp: write_model(SMOLLM2_SHAPE, "llama", 7, torch.bfloat16, tmp))
     return path
 
 
@@ -222,10 +222,11 @@ def _write_tokenizer(path: Path) -> None:
 
 
 def _write_tiny_model(arch: str, path: Path) -> None:
-    _write_model({**TINY, **EXTRA[arch]}, arch, (ARCHS + FAMILIES).index(arch), torch.float32, path)
+    write_model({**TINY, **EXTRA[arch]}, arch, (ARCHS + FAMILIES).index(arch), torch.float32, path)
 
 
-def _write_model(params: dict, arch: str, seed: int, dtype: torch.dtype, path: Path) -> None:
+def write_model(params: dict, arch: str, seed: int, dtype: torch.dtype, path: Path) -> None:
+    """A random-weight ``arch`` model of ``params`` (seeded), in Hugging Face layout with a tokenizer, at ``path``."""
     import transformers
 
     cls = getattr(transformers, _CONFIGS[arch])
