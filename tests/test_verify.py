@@ -5,8 +5,10 @@ safety layer must produce a short counterexample that names the broken invariant
 """
 
 import copy
+import gc
 import random
 import re
+from collections import Counter
 
 import pytest
 
@@ -28,6 +30,22 @@ def unsafe(layers: str, **kw) -> CheckConfig:
 def test_the_checked_world_runs_the_production_cores():
     w = World(CheckConfig())
     assert (type(w.router), type(w.prefill.core), type(w.decode.core)) == (RouterCore, PrefillCore, DecodeCore)
+
+
+@pytest.mark.fast
+def test_exploring_leaves_no_reference_cycles():
+    """``explore`` pauses the cycle collector (``without_cycle_collection``): a cycle through a state would keep
+    every state dropped alive until the exploration ends."""
+    gc.collect()
+    assert explore(CheckConfig(), max_states=2000, liveness=False).states == 2000
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        found = gc.collect()
+        kinds = Counter(type(o).__name__ for o in gc.garbage).most_common(5)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert found == 0, kinds
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ still end.
 
 from __future__ import annotations
 
+import functools
+import gc
 import time
 from array import array
 from collections.abc import Callable
@@ -71,6 +73,25 @@ def violation_lines(invariant: str, name: str, message: str, steps: list[list[st
 Progress = Callable[[Result, int], None]
 
 
+def without_cycle_collection(fn: Callable) -> Callable:
+    """Run ``fn`` with Python's cycle collector paused. Worlds form no reference cycles (tests/test_verify.py
+    checks), so reference counts free every state dropped, and the collector's passes over the hundreds of thousands
+    of states kept were pure cost: a third of the default configuration's exploration."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if paused:
+                gc.enable()
+
+    return run
+
+
+@without_cycle_collection
 def explore(cfg: CheckConfig, max_states: int = 2_000_000, liveness: bool = True,
             progress: Progress | None = None, progress_every: int = 20_000,
             invariants: frozenset[str] | None = None) -> Result:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -158,6 +159,7 @@ class CheckConfig:
     handoff_timeout: int = 30
     abort_timeout: int = 10
     page_wait_timeout: int = 120
+    _specs: dict[int, RequestSpec] = field(init=False, repr=False, compare=False)  # rid -> its request (spec)
 
     def __post_init__(self) -> None:
         if self.network not in ("fifo", "any"):
@@ -169,10 +171,12 @@ class CheckConfig:
         rids = [r.rid for r in self.requests]
         if len(set(rids)) != len(rids) or GHOST_RID in rids or 0 in rids:
             raise ValueError("request ids must be distinct, non-zero and not the ghost's")
+        specs = {rid: r for r in self.requests for rid in (r.rid, retry_rid(r.rid))}
+        object.__setattr__(self, "_specs", specs)
 
     def spec(self, rid: int) -> RequestSpec:
         """The request ``rid`` names: a client's id, or its retry's (``retry_rid``)."""
-        return next(r for r in self.requests if rid in (r.rid, retry_rid(r.rid)))
+        return self._specs[rid]
 
     def over_length(self, spec: RequestSpec) -> bool:
         """Over some role's limit: the client's fault, so it must never get tokens."""
@@ -265,10 +269,13 @@ class PlaneVerifier:
     """DecodeCore's ``verify``: the real ``check_landing`` over the modelled pool (``plane.landing_problem``)."""
 
     def __init__(self, node: DecodeNode, safety: Safety, page_size: int) -> None:
-        self.node, self.safety, self.page_size = node, safety, page_size
+        self.node = weakref.ref(node)  # the node holds the core that holds this: no cycle (explore pauses the gc)
+        self.safety, self.page_size = safety, page_size
 
     def __call__(self, rid: int, grants: list[PageGrant], expected_tokens: int, checksum: int) -> str | None:
-        return landing_problem(self.node.plane, self.page_size, self.safety, rid, grants, expected_tokens, checksum)
+        node = self.node()
+        assert node is not None, "a decode core ran outside the world that owns it"
+        return landing_problem(node.plane, self.page_size, self.safety, rid, grants, expected_tokens, checksum)
 
 
 # -- the environment the executors act on (built per event: a world's parts are copied on write) -------------
@@ -1317,8 +1324,9 @@ def _copy_pages(t: PageTable) -> PageTable:
             setattr(new, name, value.copy())
     new.quarantine_reason = dict(t.quarantine_reason)
     new._free = type(t._free)(t._free)
+    new.holders = {page: set(h) for page, h in t.holders.items()}
     _copy_extra(t, new, ("num_pages", "owner_hi", "owner_lo", "epoch", "filled", "state", "quarantine_reason",
-                         "_free"))
+                         "_free", "holders"))
     return new
 
 
