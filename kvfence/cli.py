@@ -416,7 +416,6 @@ def cluster_key_or_exit(args: argparse.Namespace, addresses: dict[str, str | Non
 def serve_colocated(args: argparse.Namespace) -> int:
     from kvfence.engine.engine import Engine
     from kvfence.engine.local import LocalEngine
-    from kvfence.model.memory import freeze_loaded_objects
     from kvfence.preflight import refuse_to_start_unless_fits
     from kvfence.router.queued import QueuedEngine
 
@@ -426,7 +425,6 @@ def serve_colocated(args: argparse.Namespace) -> int:
     refuse_to_start_unless_fits("colocated", pool, args.page_size, max_context)
     config = engine_config(args, "colocated", max_context, pool)
     engine = Engine(loaded.model, loaded.tokenizer, config, dtype_of(args), args.device)
-    freeze_loaded_objects()
     log.info("colocated engine: KV pool %d tokens (%d pages of %d, %.0f MiB)", config.num_pages * config.page_size,
              config.num_pages, config.page_size, engine.pool.nbytes / 2**20)
     client = LocalEngine(engine, args.served_model_name or loaded.name)
@@ -566,6 +564,7 @@ def run_http(args: argparse.Namespace, engine, tokenizer, tenants, supervisor) -
 
     from kvfence.auditlog import AuditLog
     from kvfence.cluster import is_loopback
+    from kvfence.model.memory import freeze_loaded_objects
     from kvfence.router.app import create_app
     from kvfence.router.edge import uvicorn_config
     from kvfence.router.lifecycle import DrainingServer
@@ -586,6 +585,7 @@ def run_http(args: argparse.Namespace, engine, tokenizer, tenants, supervisor) -
     log.info("HTTP edge: bodies up to %d bytes, headers within %gs, bodies within %gs, %d connections per client",
              limits.request_bytes(engine.max_context), limits.header_timeout, limits.body_timeout,
              limits.max_connections_per_client)
+    freeze_loaded_objects()  # the model (colocated), tokenizer and app: a full collection walking them stalls streams
 
     async def main() -> None:
         tasks = []
