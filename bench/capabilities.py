@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import peers  # noqa: E402
 
 WORKLOADS = [("decode", 1), ("decode", 16), ("prefill", 2048)]
 # torch's own kernels (MKL's and oneDNN's bf16 products, ATen's vector code) would still use AMX here: each forced
@@ -102,7 +101,7 @@ def main() -> None:
     for p in procs.values():
         p.stdin.close()
         p.wait(timeout=60)
-    name, flags = peers.cpu()["model"], " ".join(peers.cpu()["flags"])
+    name, flags = cpu()["model"], " ".join(cpu()["flags"])
     header = "| flavour | " + " | ".join(
         f"{'decode batch' if k == 'decode' else 'prefill'} {n}" for k, n in WORKLOADS) + " |"
     threads = args.threads or torch.get_num_threads()

@@ -42,7 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.peers import cpu  # noqa: E402
+from bench.machine import cpu  # noqa: E402
 from bench.serve import Client, calibrate, make_prompt, pct  # noqa: E402
 
 ADMIN_KEY = "sk-bench-admin"

@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import peers  # noqa: E402
+from bench import machine  # noqa: E402
 from bench.decode import KvfenceRunner, weight_bytes_per_token  # noqa: E402
 from kvfence.model import kernels  # noqa: E402
 from kvfence.model.loader import load_model  # noqa: E402
@@ -57,8 +57,8 @@ FAMILIES: dict[str, dict] = {
 
 
 def cpu() -> dict:
-    """``bench/peers.py``'s CPU record (model, cores, the flags that pick kernels) and the C kernels' capabilities."""
-    return {**peers.cpu(), "kernels": kernels.detect().summary()}
+    """The CPU record (``bench/machine.py``) and the C kernels' capabilities."""
+    return {**machine.cpu(), "kernels": kernels.detect().summary()}
 
 
 def measure(family: str, new_tokens: int, rounds: int) -> dict:

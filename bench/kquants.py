@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.peers import cpu  # noqa: E402
+from bench.machine import cpu  # noqa: E402
 from kvfence.model import kernels  # noqa: E402
 from kvfence.model.blocks import BLOCK_BYTES, BlockWeight  # noqa: E402
 

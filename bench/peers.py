@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import serve as load  # noqa: E402  (bench/serve.py: the load generator)
 from capabilities import TORCH_CAPS  # noqa: E402
+from machine import cpu  # noqa: E402
 
 PEER = ROOT.parent / "shared" / "peers" / "peer"
 # kvfence's variants: serve arguments and environment. The forced flavours run an AMX host's kvfence (torch capped
@@ -54,21 +54,12 @@ KVFENCE: dict[str, tuple[list[str], dict[str, str]]] = {
 PEER_ENV = {"llama-q4_1": {"LLAMA_ARG_REPACK": "0"}} if "amx_int8" in Path("/proc/cpuinfo").read_text() else {}
 DEFAULT_SERVERS = ("kvfence", "kvfence-colocated", "vllm", "llama-bf16", "llama-q4_1")
 PEERS = ("vllm", "llama-bf16", "llama-q4_1")
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def cpu() -> dict:
-    """The CPU model and the flags that pick kvfence's kernels."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}  # the last CPU's lines; all CPUs read alike
-    model, flags = fields.get("model name", platform.processor()), set(fields.get("flags", "").split())
-    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
 def tree(pid: int) -> list[int]:

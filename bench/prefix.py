@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import serve as load  # noqa: E402  (bench/serve.py: the streaming client, percentiles)
-from peers import cpu  # noqa: E402
+from machine import cpu  # noqa: E402
 
 from kvfence.tools.probe import ISOLATED, NO_CACHE, TimingRound, timing_prefix, timing_verdict  # noqa: E402
 from kvfence.tools.soak import LocalServer  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.peers import cpu  # noqa: E402
+from bench.machine import cpu  # noqa: E402
 from kvfence.core import Request, SamplingParams  # noqa: E402
 from kvfence.engine.grammar import Guide, grammar_for, ll_tokenizer  # noqa: E402
 from kvfence.engine.sampler import make_generator, sample, token_logprobs  # noqa: E402
