@@ -80,12 +80,12 @@ def without_cycle_collection(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        paused = gc.isenabled()
+        was_enabled = gc.isenabled()
         gc.disable()
         try:
             return fn(*args, **kwargs)
         finally:
-            if paused:
+            if was_enabled:
                 gc.enable()
 
     return run
