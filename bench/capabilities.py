@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import cpu  # noqa: E402
 
 WORKLOADS = [("decode", 1), ("decode", 16), ("prefill", 2048)]
 # torch's own kernels (MKL's and oneDNN's bf16 products, ATen's vector code) would still use AMX here: each forced
@@ -78,8 +79,8 @@ def main() -> None:
         return child()
     procs, caps = {}, {}
     for flavour in args.flavours.split(","):
-        cpu, extra = VARIANTS.get(flavour, (flavour, {}))
-        env = {**os.environ, **TORCH_CAPS.get(cpu, {}), **extra, "KVFENCE_CPU": cpu,
+        forced, extra = VARIANTS.get(flavour, (flavour, {}))
+        env = {**os.environ, **TORCH_CAPS.get(forced, {}), **extra, "KVFENCE_CPU": forced,
                "NEW_TOKENS": str(args.new_tokens),
                "BENCH_THREADS": str(args.threads)}
         procs[flavour] = subprocess.Popen([sys.executable, __file__, "--child"], stdin=subprocess.PIPE,
@@ -101,7 +102,8 @@ def main() -> None:
     for p in procs.values():
         p.stdin.close()
         p.wait(timeout=60)
-    name, flags = cpu()["model"], " ".join(cpu()["flags"])
+    host = cpu()
+    name, flags = host["model"], " ".join(host["flags"])
     header = "| flavour | " + " | ".join(
         f"{'decode batch' if k == 'decode' else 'prefill'} {n}" for k, n in WORKLOADS) + " |"
     threads = args.threads or torch.get_num_threads()

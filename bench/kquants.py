@@ -86,9 +86,10 @@ def main() -> int:
         print(f"{fmt:<8} {row['MB']:>7.1f}" + "".join(f" {row[f'rows{r}']:>16.2f}" for r in ROWS))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu(), "capabilities": caps.summary(), "threads": 1,
+    host = cpu()
+    out.write_text(json.dumps({"cpu": host, "capabilities": caps.summary(), "threads": 1,
                                "layer": SHAPES, "ms_per_layer": table}, indent=2))
-    print(f"cpu: {cpu()['model']}\ncapabilities: {caps.summary()}\nwrote {out}")
+    print(f"cpu: {host['model']}\ncapabilities: {caps.summary()}\nwrote {out}")
     return 0
 
 

@@ -105,9 +105,10 @@ def main() -> int:
                                       for b in BATCHES))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu(), "vocab": VOCAB, "rounds": args.rounds, "ms_per_step": table},
+    host = cpu()
+    out.write_text(json.dumps({"cpu": host, "vocab": VOCAB, "rounds": args.rounds, "ms_per_step": table},
                               indent=2))
-    print(f"cpu: {cpu()['model']}\nwrote {out}")
+    print(f"cpu: {host['model']}\nwrote {out}")
     return 0
 
 
