@@ -172,16 +172,26 @@ def idle_cpu(servers: list[Server], seconds: float = 3.0) -> dict[str, float]:
 
 
 def bandwidth_limit() -> dict:
-    """The host's read bandwidth and the batch-1 decode limit it sets for kvfence's default model."""
+    """The host's read bandwidth, the batch-1 decode limit it sets for kvfence's default model, and that model's
+    batch-1 decode in this process: the engine alone, with no router, HTTP or client on the cores (a 128-token
+    prompt, 128 tokens). Bandwidth and decode alternate three times, best of each, after the servers have stopped."""
     import torch
-    from decode import memory_bandwidth_gbs, weight_bytes_per_token
+    from decode import KvfenceRunner, memory_bandwidth_gbs, weight_bytes_per_token
 
     from kvfence.model.loader import load_model
+    from kvfence.model.memory import freeze_loaded_objects
 
     loaded = load_model("smollm2-135m", dtype=torch.bfloat16, device="cpu")
+    engine = KvfenceRunner(loaded, torch.bfloat16, "cpu")
     loaded.model.backend.prepare_decode_rows()
-    gbs, wbytes = memory_bandwidth_gbs("cpu"), weight_bytes_per_token(loaded.model)
-    return {"read_gb_s": gbs, "weight_bytes_per_token": wbytes, "batch1_limit_tok_s": gbs * 1e9 / wbytes}
+    freeze_loaded_objects()
+    gbs, decode = [], []
+    for _ in range(3):
+        gbs.append(memory_bandwidth_gbs("cpu"))
+        decode.append(engine.decode_tok_s(1, 128))
+    wbytes = weight_bytes_per_token(loaded.model)
+    return {"read_gb_s": max(gbs), "weight_bytes_per_token": wbytes, "batch1_limit_tok_s": max(gbs) * 1e9 / wbytes,
+            "engine_batch1_tok_s": max(decode)}
 
 
 def sample_memory(servers: list[Server], stop: threading.Event) -> None:
@@ -262,9 +272,13 @@ def targets(report: dict, ours: str) -> list[dict]:
             1.2 * max(long[p]["prefill_tok_s"] for p in peers), True)
     add("RSS (MiB) < 1536", report["servers"][ours]["rss_mib"], 1536, False)
     add("healthy (s) <= 20", report["servers"][ours]["ready_s"], 20, False)
-    if "bandwidth" in report and level(report, ours, 1):
-        add("batch-1 decode tok/s >= 85% of the read-bandwidth limit", 1 / level(report, ours, 1)["tpot_mean"],
-            0.85 * report["bandwidth"]["batch1_limit_tok_s"], True)
+    bandwidth = report.get("bandwidth")
+    if bandwidth and level(report, ours, 1):
+        add("batch-1 decode tok/s (1 / TPOT at c=1) >= 85% of the read-bandwidth limit",
+            1 / level(report, ours, 1)["tpot_mean"], 0.85 * bandwidth["batch1_limit_tok_s"], True)
+    if bandwidth and ours == "kvfence" and "engine_batch1_tok_s" in bandwidth:  # the host's own flavour
+        add("batch-1 decode tok/s of the engine in process >= 85% of that limit", bandwidth["engine_batch1_tok_s"],
+            0.85 * bandwidth["batch1_limit_tok_s"], True)
     return out
 
 
@@ -285,7 +299,8 @@ def print_report(report: dict) -> None:
     if "bandwidth" in report:
         b = report["bandwidth"]
         print(f"read bandwidth {b['read_gb_s']:.1f} GB/s, {b['weight_bytes_per_token'] / 1e6:.0f} MB of weights per "
-              f"token: batch-1 limit {b['batch1_limit_tok_s']:.0f} tok/s")
+              f"token: batch-1 limit {b['batch1_limit_tok_s']:.0f} tok/s; kvfence's engine in process "
+              f"{b.get('engine_batch1_tok_s', 0):.0f} tok/s")
     for name, rows in report["targets"].items():
         print(f"{name} against issue #20's targets:")
         for t in rows:
