@@ -161,7 +161,7 @@ class WorkerBase:
 
     def _heartbeat(self) -> None:
         """Say Hello to the router every HEARTBEAT_S from a thread of its own, so a long step never looks like death.
-        The loop makes each Hello when asked (between steps), so what it says is at most one step old.
+        The loop makes each Hello when asked, between steps; a step longer than HELLO_WAIT_S leaves it the last one.
 
         Uses its own socket: ZeroMQ sockets are not thread-safe. It also says (throttled) why
         the router refuses this worker, should it (``HandshakeWatch``).
