@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import sysconfig
 import threading
@@ -394,7 +393,7 @@ def test_frozen_target_never_hangs_a_write(kind):
     with make_initiator(kind, 4 << 20, timeout=1.0) as ini:
         peer = ini.connect(target.descriptor)
         ini.write(peer, [(0, 0, PAGE)])
-        os.kill(target.proc.pid, signal.SIGSTOP)
+        target.freeze()
         t0 = time.monotonic()
         try:
             ini.write(peer, [(PAGE, PAGE, PAGE)])
@@ -402,7 +401,7 @@ def test_frozen_target_never_hangs_a_write(kind):
         except TransferError:
             landed = False
         elapsed = time.monotonic() - t0
-        os.kill(target.proc.pid, signal.SIGCONT)
+        target.thaw()
         assert elapsed < FROZEN_LIMIT
         if landed:
             assert target.read(PAGE, PAGE) == bytes(ini.buffer[PAGE : 2 * PAGE])
@@ -443,7 +442,7 @@ def test_tcp_kernel_bounds_keep_each_writes_own_timeout(nbytes):
     with make_initiator("tcp", 64 << 20, timeout=30.0) as up, make_initiator("tcp", 64 << 20, timeout=30.0) as down:
         up.write(up.connect(target.descriptor), [(0, 0, nbytes)], timeout=0.3)  # armed at ~0.3 s
         down.write(down.connect(target.descriptor), [(0, 0, nbytes)])  # armed at ~30 s
-        os.kill(target.proc.pid, signal.SIGSTOP)
+        target.freeze()
         try:
             for ini, timeout in ((up, 1.2), (down, 0.3)):
                 t0 = time.monotonic()
@@ -451,7 +450,7 @@ def test_tcp_kernel_bounds_keep_each_writes_own_timeout(nbytes):
                     ini.write(ini.connect(target.descriptor), [(0, 0, nbytes)], timeout=timeout)
                 assert timeout - 0.05 < time.monotonic() - t0 < timeout + 0.5
         finally:
-            os.kill(target.proc.pid, signal.SIGCONT)
+            target.thaw()
         for ini in (up, down):
             ini.write(ini.connect(target.descriptor), [(0, 0, nbytes)])  # the timeout poisoned the peer: a new one
             assert target.digest(0, nbytes) == xxhash.xxh3_64_intdigest(ini.buffer[:nbytes])

@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,22 @@ class TargetProcess:
         assert self.proc.pid is not None  # started in __init__
         pin_threads(self.proc.pid, cpus)
 
+    def freeze(self, timeout: float = 10.0) -> None:
+        """SIGSTOP the child and return once every thread of it is stopped: the signal alone is asynchronous, and
+        on a loaded host the child could still answer a write sent right after ``os.kill`` returned."""
+        assert self.proc.pid is not None  # started in __init__
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not _all_threads_stopped(self.proc.pid):
+            if time.monotonic() > deadline:
+                raise TransferError(f"the target did not stop within {timeout} s")
+            time.sleep(0.001)
+
+    def thaw(self) -> None:
+        """SIGCONT the child after ``freeze``."""
+        assert self.proc.pid is not None  # started in __init__
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL the child and reap it."""
         if self.proc.is_alive():
@@ -100,6 +117,19 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:
             pass  # the thread ended meanwhile
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in its ``/proc`` stat line)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+        if state != "T":
+            return False
+    return True
 
 
 def _child_main(kind: str, nbytes: int, opts: dict, conn: Any) -> None:
