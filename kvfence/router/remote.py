@@ -37,7 +37,8 @@ from kvfence.router.settings import RouterSettings
 log = logging.getLogger(__name__)
 
 SUSPECT_S = 2.0  # four heartbeats missed; local deaths are seen sooner: the supervisor watches exit codes
-POLL_S = 0.01  # the inbox is also polled this often, should a wake-up be missed
+POLL_S = 0.01  # while requests run the inbox is also polled this often, should a wake-up be missed
+IDLE_POLL_S = 0.25  # and this often while none runs (heartbeats only): an idle router stays off the CPU
 
 
 class RemoteEngine:
@@ -54,6 +55,7 @@ class RemoteEngine:
         self._routes = RecentRoutes()
         self._last_seen: dict[str, float] = {}
         self._tasks: list[asyncio.Task] = []
+        self._wake = asyncio.Event()  # the inbox may have news, or the first request in flight wants the short poll
 
     # -- EngineClient ------------------------------------------------------------
 
@@ -61,6 +63,8 @@ class RemoteEngine:
         self._ensure_started()
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request.rid] = sink
+        if len(self._sinks) == 1:
+            self._wake.set()  # the receive loop may sleep on the idle poll: back to the short one
         finished = False
         submitted = time.monotonic()
         try:
@@ -166,9 +170,9 @@ class RemoteEngine:
 
     async def _receive(self) -> None:
         """Handle worker messages as they come: the inbox's file descriptor wakes the loop (ZeroMQ signals it
-        edge-style, so every wake-up drains the inbox), with a poll every POLL_S as a safety net."""
-        wake = asyncio.Event()
-        loop = asyncio.get_running_loop()
+        edge-style, so every wake-up drains the inbox), with a poll as a safety net: every POLL_S while requests
+        run, every IDLE_POLL_S while none does (``generate`` wakes the loop when the first one starts)."""
+        wake, loop = self._wake, asyncio.get_running_loop()
         loop.add_reader(self.channel.fd, wake.set)
         try:
             while True:
@@ -177,8 +181,8 @@ class RemoteEngine:
                 if envelopes:
                     self._handle(envelopes)
                     continue
-                try:
-                    async with asyncio.timeout(POLL_S):  # no task per wait, unlike wait_for on 3.11
+                try:  # asyncio.timeout: no task per wait, unlike wait_for on 3.11
+                    async with asyncio.timeout(POLL_S if self._sinks else IDLE_POLL_S):
                         await wake.wait()
                 except TimeoutError:
                     pass
