@@ -114,8 +114,15 @@ class DecodeBlocks:
     data: torch.Tensor
     shape: tuple[int, int]
 
+    @staticmethod
+    def nbytes_of(w: BlockWeight) -> int:
+        """Bytes of ``w`` regrouped (``w.fmt`` in ``INT8_FORMATS``)."""
+        n, k = w.shape
+        return n // GROUP * k // BLOCK * GROUP_BLOCK_BYTES[w.fmt]
+
     @classmethod
-    def from_blocks(cls, w: BlockWeight) -> DecodeBlocks:
+    def from_blocks(cls, w: BlockWeight, out: torch.Tensor | None = None) -> DecodeBlocks:
+        """``w`` regrouped, into ``out`` (uint8, ``nbytes_of(w)`` bytes) where given, else into new memory."""
         if w.fmt not in INT8_FORMATS:
             raise ValueError(f"DecodeBlocks take {' or '.join(INT8_FORMATS)} blocks, not {w.fmt}")
         n, k = w.shape
@@ -140,7 +147,8 @@ class DecodeBlocks:
             quads = q.transpose(0, 2, 3, 1, 4).reshape(g, nb, 512).view(np.uint8)
             fields = [d, np.ascontiguousarray(sums).view(np.uint8), quads]
         data = np.concatenate(fields, axis=-1).reshape(g, -1)
-        return cls(w.fmt, torch.empty(data.shape, dtype=torch.uint8).copy_(torch.from_numpy(data)), (n, k))
+        dst = torch.empty(data.shape, dtype=torch.uint8) if out is None else out.view(data.shape)
+        return cls(w.fmt, dst.copy_(torch.from_numpy(data)), (n, k))
 
     @property
     def nbytes(self) -> int:

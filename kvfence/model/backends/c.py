@@ -31,7 +31,7 @@ from kvfence.model import kernels
 from kvfence.model.backends.torch import chunk_attention, qkv_extras
 from kvfence.model.batch import Batch
 from kvfence.model.blocks import INT8_FORMATS, BlockWeight, DecodeBlocks
-from kvfence.model.memory import release_free_memory
+from kvfence.model.memory import huge_pages, release_free_memory
 from kvfence.model.weights import Matrix, Weights
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,23 @@ Entries = tuple[kernels.GemmEntry, kernels.GemmEntry]  # (longer chunks' entry, 
 def _int8(w: object) -> TypeGuard[BlockWeight]:
     """Whether w is a block weight of a format the int8 kernel takes (``DecodeBlocks``: Q4_1, Q8_0)."""
     return isinstance(w, BlockWeight) and w.fmt in INT8_FORMATS
+
+
+def _regrouped(weights: Weights) -> dict[int, DecodeBlocks]:
+    """The ``DecodeBlocks`` copy of each int8-format block weight of the layers and the head, by ``id`` of the
+    weight, laid end to end in one buffer on huge pages (``memory.huge_pages``) in the order a decode step reads
+    them: layer by layer (qkv, o, gate_up, down), then the head. In process on the EPYC host (2026-12-07) that
+    made batch-1 decode 1.03x faster than separate tensors, 1.10x than the same buffer on 4 KiB pages."""
+    todo = {id(w): w for w in [*(w for layer in weights.layers for w in layer.matrices), weights.lm_head] if _int8(w)}
+    if not todo:
+        return {}
+    sizes = [DecodeBlocks.nbytes_of(w) for w in todo.values()]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // 64) * 64)  # each copy 64-byte aligned, as the kernels load them
+    buffer = torch.frombuffer(huge_pages(starts[-1]), dtype=torch.uint8)
+    return {key: DecodeBlocks.from_blocks(w, buffer[start : start + n])
+            for (key, w), start, n in zip(todo.items(), starts[:-1], sizes, strict=True)}
 
 
 class CBackend:
@@ -61,26 +78,23 @@ class CBackend:
                             and caps.int8_rows and env.decode_int8())
         self.int8_chunks = self.decode_int8 and caps.int8_chunks
         if self.int8_chunks:  # every row of the block weights runs in int8: keep only their regrouped copies
+            copies = _regrouped(weights)
             for layer in weights.layers:
                 for name in ("qkv", "o", "gate_up", "down"):
-                    if _int8(w := getattr(layer, name)):
-                        setattr(layer, name, DecodeBlocks.from_blocks(w))
-            if _int8(weights.lm_head):  # the embedding keeps the blocks for its gather
-                weights.lm_head = DecodeBlocks.from_blocks(weights.lm_head)
+                    setattr(layer, name, copies.get(id(w := getattr(layer, name)), w))
+            weights.lm_head = copies.get(id(weights.lm_head), weights.lm_head)  # the embedding keeps its blocks
         # per layer (qkv, o, gate_up, down) and for the head: the C matmul entries of each weight, checked once
         self._decode_weights: list[DecodeBlocks] = []
         self._gemm_entries = [tuple(map(self._entries, layer.matrices)) for layer in weights.layers]
         self._head_entries = self._entries(weights.lm_head)
         self._layer_args: tuple[int, ctypes.Array] | None = None  # (pool, kvf_decode_layers' layers): a cache
 
-    def _entries(self, w: Matrix, decode_copy: bool = False) -> Entries:
-        """``(longer chunks' entry, decode rows' entry)`` for weight w; the same entry twice until
-        ``prepare_decode_rows`` makes the copy (``decode_copy``)."""
+    @staticmethod
+    def _entries(w: Matrix, decode_copy: DecodeBlocks | None = None) -> Entries:
+        """``(longer chunks' entry, decode rows' entry)`` for weight w: the same entry twice unless decode rows
+        multiply ``decode_copy`` (``prepare_decode_rows``)."""
         entry = kernels.gemm_entry(w)
-        if not (decode_copy and self.decode_int8 and _int8(w)):
-            return entry, entry
-        self._decode_weights.append(DecodeBlocks.from_blocks(w))
-        return entry, kernels.gemm_entry(self._decode_weights[-1])
+        return entry, (entry if decode_copy is None else kernels.gemm_entry(decode_copy))
 
     def prepare_decode_rows(self) -> None:
         """Make the int8 copies decode rows (and ``int8_chunks``: every row) use (~1 s, ~100 MB for SmolLM2).
@@ -90,8 +104,11 @@ class CBackend:
         if not self.decode_int8 or self.int8_chunks or self._decode_weights:
             return
         t0 = time.perf_counter()
-        self._gemm_entries = [tuple(self._entries(w, True) for w in layer.matrices) for layer in self.weights.layers]
-        self._head_entries = self._entries(self.weights.lm_head, True)
+        copies = _regrouped(self.weights)
+        self._decode_weights = list(copies.values())
+        self._gemm_entries = [tuple(self._entries(w, copies.get(id(w))) for w in layer.matrices)
+                              for layer in self.weights.layers]
+        self._head_entries = self._entries(self.weights.lm_head, copies.get(id(self.weights.lm_head)))
         release_free_memory()  # the regrouping's temporaries
         log.info("int8 copies of the block weights for decode rows: %.0f MB in %.2fs",
                  sum(w.nbytes for w in self._decode_weights) / 1e6, time.perf_counter() - t0)
