@@ -23,6 +23,7 @@ from kvfence.model.blocks import BLOCK_BYTES, BlockWeight, DecodeBlocks
 from kvfence.model.gguf_file import read_gguf
 from kvfence.model.llama import Model
 from kvfence.model.loader import _unpermute_rope, load_model, smollm2_gguf_path
+from kvfence.model.memory import HUGE_PAGE, huge_pages
 from tests.tiny_models import ARCHS, greedy, smollm2, tiny_model_dir
 
 REL_TOL = 2e-5  # float32, against transformers, relative to the largest logit
@@ -580,6 +581,60 @@ def test_bf16_model_keeps_its_blocks_and_computes_what_the_dequantized_model_doe
         else:  # and without, they run in int8 too: 250 rows of logits, each within the int8 rounding
             rel = (got[0] - want[0]).abs().amax(-1) / want[0].abs().amax(-1)
             assert 0 < rel.mean() <= 0.04 and rel.max() <= 0.15, (rel.mean(), rel.max())
+
+
+def _huge_page_bytes(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``address`` (/proc/self/smaps), in bytes."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split()[0] and ":" not in line.split()[0]:
+            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "never"
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+@pytest.mark.fast
+def test_huge_pages_are_aligned_zeroed_private_memory_backed_by_huge_pages_where_thp_allows():
+    buffer = huge_pages(3 * HUGE_PAGE + 5)
+    data = torch.frombuffer(buffer, dtype=torch.uint8)
+    assert len(buffer) == 3 * HUGE_PAGE + 5 and data.data_ptr() % HUGE_PAGE == 0 and not data.any()
+    data.fill_(7)  # writable, and every page now backed
+    if _thp_mode() in ("madvise", "always"):
+        assert _huge_page_bytes(data.data_ptr()) >= 2 * HUGE_PAGE
+    with pytest.raises(ValueError, match="positive"):
+        huge_pages(0)
+
+
+@pytest.mark.model
+@needs_kernels
+def test_decode_weights_lie_end_to_end_on_huge_pages_in_the_order_a_step_reads_them(bf16):
+    """The int8 copies a decode step streams: one buffer, layer by layer (qkv, o, gate_up, down), then the head,
+    each 64-byte aligned right after the one before, from a 2 MiB boundary; huge pages where THP allows."""
+    backend = bf16.model.backend
+    if not backend.decode_int8:
+        pytest.skip(f"no int8 decode rows here ({CAPS.summary()})")
+    backend.prepare_decode_rows()
+    weights = bf16.model.weights
+    copies = (backend._decode_weights if backend._decode_weights else  # else int8_chunks: they replaced the blocks
+              [*(w for layer in weights.layers for w in layer.matrices), weights.lm_head])
+    assert len(copies) == 4 * len(weights.layers) + 1 and all(isinstance(w, DecodeBlocks) for w in copies)
+    entries = [decode for layer in backend._gemm_entries for _, decode in layer] + [backend._head_entries[1]]
+    starts = [w.data_ptr() for w in copies]
+    assert [address for _, address, _ in entries] == starts  # the kernels read these copies
+    assert starts[0] % HUGE_PAGE == 0
+    assert all(b - a == -(-w.nbytes // 64) * 64 for a, b, w in zip(starts, starts[1:], copies, strict=False))
+    if _thp_mode() in ("madvise", "always"):
+        assert _huge_page_bytes(starts[0]) >= 0.9 * (starts[-1] - starts[0])
 
 
 @pytest.mark.model
