@@ -27,7 +27,7 @@ CPU, BF16 = torch.device("cpu"), torch.bfloat16
 MODEL_DIR = Path(__file__).resolve().parent.parent / "kvfence" / "model"
 # the only files of kvfence/model that may hold raw pointers, and what for
 POINTERS = {"kernels.py": "the C entry points", "backends/c.py": "the C forward", "blocks.py": "data_ptr accessors",
-            "memory.py": "libc's malloc_trim"}
+            "memory.py": "libc's malloc_trim, a huge-page buffer's alignment"}
 
 
 def config(heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> ModelConfig:
