@@ -548,9 +548,9 @@ def test_bf16_model_keeps_its_blocks_and_computes_what_the_dequantized_model_doe
     keep prefill chunks on the bf16 expansion; without tiles they are int8 too (against float32 over a 100-token
     prompt: mean 0.031, max 0.074, vs 0.015 and 0.042 for bf16)."""
     weights, backend = bf16.model.weights, bf16.model.backend
-    if backend.int8_chunks:  # every row in int8: the layers and the head hold only the regrouped copies
-        assert isinstance(weights.layers[0].gate_up, DecodeBlocks) and isinstance(weights.lm_head, DecodeBlocks)
-        assert isinstance(weights.embed, BlockWeight)
+    if backend.int8_chunks:  # every row in int8: the layers and the head (tied: the embedding too) hold only the
+        assert isinstance(weights.layers[0].gate_up, DecodeBlocks)  # regrouped copies
+        assert isinstance(weights.lm_head, DecodeBlocks) and weights.embed is weights.lm_head
     else:
         assert isinstance(weights.layers[0].gate_up, BlockWeight) and weights.lm_head is weights.embed
     monkeypatch.setenv("KVFENCE_DECODE_INT8", "0")
@@ -884,6 +884,31 @@ def test_int8_decode_kernel_computes_its_contract_for_any_rows():
             assert torch.equal(kernels.gemm(x[a:b], g), whole[a:b]), (w.shape, a, b)
         ref = x.float() @ w.dequantize().t()
         assert (whole.float() - ref).abs().max() <= 0.02 * ref.abs().max(), w.shape
+
+
+@pytest.mark.model
+@needs_int8
+def test_rows_gathered_from_the_regrouped_copy_are_the_blocks_rows_bit_for_bit(bf16):
+    """A tied head keeps only its regrouped copy where every row runs in int8, and the embedding gathers from it:
+    the same bf16 rows as the blocks give, for the GGUF's Q8_0 embedding and random Q4_1 and Q8_0 blocks (every
+    lane of a group, first and last groups)."""
+    gen = torch.Generator().manual_seed(12)
+    blocks = [BlockWeight.from_gguf(fmt, random_block_bytes(fmt, n, k, gen), (n, k))
+              for fmt, (n, k) in (("Q4_1", (48, 96)), ("Q8_0", (32, 160)))]
+    parsed = read_gguf(smollm2_gguf_path())
+    t = next(t for t in parsed.tensors if t.name == "token_embd.weight")
+    blocks.append(BlockWeight.from_gguf(t.tensor_type.name, parsed.tensor_data(t), tuple(reversed(t.shape))))
+    for w in blocks:
+        rows = torch.cat([torch.arange(32), torch.randint(0, w.shape[0], (40,), generator=gen),
+                          torch.tensor([w.shape[0] - 1])])
+        want = kernels.expand_rows(w, rows)
+        assert torch.equal(want, w.dequantize()[rows].bfloat16())  # the blocks' rows: dequantized, cast
+        assert torch.equal(kernels.expand_rows(DecodeBlocks.from_blocks(w), rows), want), w.fmt
+    weights = bf16.model.weights
+    if bf16.model.backend.int8_chunks:
+        assert weights.embed is weights.lm_head and isinstance(weights.embed, DecodeBlocks)
+        with pytest.raises(IndexError):
+            weights.embed_rows(torch.tensor([weights.embed.shape[0]]))
 
 
 @pytest.mark.model

@@ -12,6 +12,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 enum { FMT_BF16 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2, FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5 };
 /* per format: weights per block, bytes per block */
 static const int64_t BLOCK_WEIGHTS[] = {1, 32, 32, 256, 256, 256};
@@ -81,4 +83,32 @@ static inline void kquant_unpack(const uint8_t *sb, int fmt, int8_t q[QK_K], flo
     if (fmt == FMT_Q5_K) /* bit j of qh[l]: the fifth bit of sub-block j's weight l */
         for (int j = 0; j < 8; j++)
             for (int l = 0; l < 32; l++) q[32 * j + l] = (int8_t)(q[32 * j + l] | (qh[l] >> j & 1) << 4);
+}
+
+/* Rows ``rows[0 .. n)`` of a matrix regrouped 16 rows at a time for the int8 kernel (``blocks.py: DecodeBlocks``,
+ * Q4_1 or Q8_0) -> bf16 rows of K at out: the embedding's gather where a tied head keeps only that copy. The same
+ * bits as kvf_expand_rows on the blocks it was made from: bf16(fp32(d q + m)) (Q4_1) or bf16(fp32(d q)), with d q
+ * exact in float32 (11 + 8 bits). Scalar: a step gathers a few rows. Both flavours export it. */
+void kvf_expand_group_rows(const uint8_t *w, int fmt, const int64_t *rows, int64_t n, int64_t K, uint16_t *out) {
+    const int64_t nb = K / 32, block = fmt == FMT_Q4_1 ? 320 : 576; /* one block of a group's 16 rows */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = rows[i] % 16;
+        const uint8_t *group = w + rows[i] / 16 * nb * block;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = group + b * block;
+            const float d = half_to_f32(blk + 2 * r);
+            uint16_t *o = out + i * K + 32 * b;
+            if (fmt == FMT_Q4_1) { /* vector p, lane r, byte j: weight 8p + j (low nibble) and 8p + 4 + j (high) */
+                const float m = half_to_f32(blk + 32 + 2 * r);
+                for (int p = 0; p < 4; p++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t v = blk[64 + 64 * p + 4 * r + j];
+                        o[8 * p + j] = f32_to_bf16(d * (float)(v & 15) + m);
+                        o[8 * p + 4 + j] = f32_to_bf16(d * (float)(v >> 4) + m);
+                    }
+            } else /* vector j, lane r, byte k: weight 4j + k */
+                for (int j = 0; j < 8; j++)
+                    for (int k = 0; k < 4; k++) o[4 * j + k] = f32_to_bf16(d * (float)(int8_t)blk[64 + 64 * j + 4 * r + k]);
+        }
+    }
 }

@@ -55,6 +55,7 @@ _SIGNATURES = {  # every flavour's entry points (argtypes; all return void)
     "kvf_gemm_bf16": _GEMM_ARGS,
     "kvf_gemm_blocks": _GEMM_ARGS,
     "kvf_expand_rows": [_PTR, ctypes.c_int, _PTR, _I64, _I64, _PTR],
+    "kvf_expand_group_rows": [_PTR, ctypes.c_int, _PTR, _I64, _I64, _PTR],
     "kvf_decode_attention": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _I64,
                              ctypes.c_int],
     "kvf_prefill_attention": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _I64,
@@ -285,16 +286,17 @@ def gemm(x: torch.Tensor, w: torch.Tensor | BlockWeight | DecodeBlocks, amx: boo
     return out
 
 
-def expand_rows(w: BlockWeight, rows: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` (int64) of w as bf16 ``[len(rows), K]``: the embedding's gather from a block weight."""
+def expand_rows(w: BlockWeight | DecodeBlocks, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (int64) of w as bf16 ``[len(rows), K]``: the embedding's gather from a block weight (or from
+    its regrouped copy, where a tied head keeps only that: the same bits)."""
     rows = rows.to(torch.int64).contiguous()
-    if not w.rows.is_contiguous():
+    if not (w.data if isinstance(w, DecodeBlocks) else w.rows).is_contiguous():
         raise ValueError("expand_rows: contiguous blocks needed")
     if len(rows) and not (0 <= int(rows.min()) and int(rows.max()) < w.shape[0]):  # C reads what it is told
         raise IndexError(f"expand_rows: row ids must lie in [0, {w.shape[0]})")
     out = torch.empty(len(rows), w.shape[1], dtype=torch.bfloat16)
-    library().kvf_expand_rows(w.data_ptr(), _FORMAT_IDS[w.fmt], rows.data_ptr(), len(rows), w.shape[1],
-                               out.data_ptr())
+    gather = library().kvf_expand_group_rows if isinstance(w, DecodeBlocks) else library().kvf_expand_rows
+    gather(w.data_ptr(), _FORMAT_IDS[w.fmt], rows.data_ptr(), len(rows), w.shape[1], out.data_ptr())
     return out
 
 

@@ -84,7 +84,7 @@ class Layer:
 
 @dataclass
 class Weights:
-    embed: torch.Tensor | BlockWeight  # [vocab, hidden]
+    embed: torch.Tensor | BlockWeight | DecodeBlocks  # [vocab, hidden]; DecodeBlocks: the tied head's copy (c.py)
     layers: list[Layer]
     norm: torch.Tensor  # [hidden]
     lm_head: Matrix  # [vocab, hidden]; the embedding itself where tied
@@ -123,7 +123,7 @@ class Weights:
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``tokens`` ``[T]`` -> ``[T, hidden]``, a new tensor."""
-        if isinstance(self.embed, BlockWeight):
+        if isinstance(self.embed, BlockWeight | DecodeBlocks):
             return kernels.expand_rows(self.embed, tokens)
         return self.embed[tokens]
 

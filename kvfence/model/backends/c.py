@@ -78,11 +78,13 @@ class CBackend:
                             and caps.int8_rows and env.decode_int8())
         self.int8_chunks = self.decode_int8 and caps.int8_chunks
         if self.int8_chunks:  # every row of the block weights runs in int8: keep only their regrouped copies
-            copies = _regrouped(weights)
+            copies, tied = _regrouped(weights), weights.lm_head is weights.embed
             for layer in weights.layers:
                 for name in ("qkv", "o", "gate_up", "down"):
                     setattr(layer, name, copies.get(id(w := getattr(layer, name)), w))
-            weights.lm_head = copies.get(id(weights.lm_head), weights.lm_head)  # the embedding keeps its blocks
+            weights.lm_head = copies.get(id(weights.lm_head), weights.lm_head)
+            if tied:  # the embedding gathers from the head's copy (the same bits): the blocks go (30 MB for SmolLM2)
+                weights.embed = weights.lm_head
         # per layer (qkv, o, gate_up, down) and for the head: the C matmul entries of each weight, checked once
         self._decode_weights: list[DecodeBlocks] = []
         self._gemm_entries = [tuple(map(self._entries, layer.matrices)) for layer in weights.layers]
