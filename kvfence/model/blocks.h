@@ -1,5 +1,6 @@
 /* GGUF weight formats shared by decode_gemm.c and decode_avx2.c (``blocks.py`` says how each row is laid out):
- * the format ids kernels.py passes, a row's size in bytes, and the scalar unpacking of a K-quant super-block.
+ * the format ids kernels.py passes, a row's size in bytes, the scalar unpacking of a K-quant super-block, and the
+ * gather of rows from a matrix regrouped for the int8 kernel (``kvf_expand_group_rows``).
  *
  * K-quants (Q4_K, Q5_K, Q6_K) keep the GGUF's own super-blocks of 256 weights, row after row. A super-block
  * unpacks (``kquant_unpack``) to 256 integers q and, per group of 16 weights g, an fp32 scale D[g] and minimum
@@ -108,7 +109,8 @@ void kvf_expand_group_rows(const uint8_t *w, int fmt, const int64_t *rows, int64
                     }
             } else /* vector j, lane r, byte k: weight 4j + k */
                 for (int j = 0; j < 8; j++)
-                    for (int k = 0; k < 4; k++) o[4 * j + k] = f32_to_bf16(d * (float)(int8_t)blk[64 + 64 * j + 4 * r + k]);
+                    for (int k = 0; k < 4; k++)
+                        o[4 * j + k] = f32_to_bf16(d * (float)(int8_t)blk[64 + 64 * j + 4 * r + k]);
         }
     }
 }
