@@ -20,6 +20,8 @@ enum { FMT_BF16 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2, FMT_Q4_K = 3, FMT_Q5_K = 4, FMT
 static const int64_t BLOCK_WEIGHTS[] = {1, 32, 32, 256, 256, 256};
 static const int64_t BLOCK_BYTES[] = {2, 20, 34, 144, 176, 210};
 enum { QK_K = 256 };
+/* bytes of one block of a group of 16 rows regrouped for the int8 kernel (``blocks.py: DecodeBlocks``) */
+enum { Q41_GROUP_BLOCK = 320, Q80_GROUP_BLOCK = 576 };
 
 static inline int is_kquant(int fmt) { return fmt >= FMT_Q4_K; }
 
@@ -91,7 +93,7 @@ static inline void kquant_unpack(const uint8_t *sb, int fmt, int8_t q[QK_K], flo
  * bits as kvf_expand_rows on the blocks it was made from: bf16(fp32(d q + m)) (Q4_1) or bf16(fp32(d q)), with d q
  * exact in float32 (11 + 8 bits). Scalar: a step gathers a few rows. Both flavours export it. */
 void kvf_expand_group_rows(const uint8_t *w, int fmt, const int64_t *rows, int64_t n, int64_t K, uint16_t *out) {
-    const int64_t nb = K / 32, block = fmt == FMT_Q4_1 ? 320 : 576; /* one block of a group's 16 rows */
+    const int64_t nb = K / 32, block = fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
     for (int64_t i = 0; i < n; i++) {
         const int64_t r = rows[i] % 16;
         const uint8_t *group = w + rows[i] / 16 * nb * block;

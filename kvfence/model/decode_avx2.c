@@ -300,8 +300,6 @@ void kvf_gemm_blocks(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, 
  * weights against x (a 16-bit lane is at most 2 x 15 x 127, and eight of them 30,480), Q8_0 takes |w| <= 128
  * against x with w's sign (at most 2 x 128 x 127 = 32,512 per lane, widened before the next is added).
  */
-enum { Q41_GROUP_BLOCK = 320, Q80_GROUP_BLOCK = 576 };
-
 static inline float max8(__m256 v) {
     const __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 n = _mm_max_ps(m, _mm_movehl_ps(m, m));

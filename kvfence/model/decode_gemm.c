@@ -548,7 +548,7 @@ static inline __m512 load_f32(const uint16_t *p) { /* 16 bf16 -> fp32 */
  *                     weight 4j + i.
  * So vector j (unpacked) holds k = 4j .. 4j + 3 of all 16 rows: one VNNI operand, or one row of an AMX B tile.
  */
-enum { Q41_GROUP_BLOCK = 320, Q80_GROUP_BLOCK = 576, Q8_TILE_ROWS = 16 };
+enum { Q8_TILE_ROWS = 16 }; /* Q41_GROUP_BLOCK, Q80_GROUP_BLOCK: blocks.h */
 
 /* x rows -> qx (int8 [M][K]), dx and sx ([M][K / 32]), and unless xu is NULL xu = qx + 128 as uint8 (the VNNI
  * operand for Q8_0 weights). */
