@@ -19,6 +19,7 @@ never replaced after construction, since the entries hold their addresses.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import time
 from typing import TypeGuard
@@ -52,10 +53,8 @@ def _regrouped(weights: Weights) -> dict[int, DecodeBlocks]:
     todo = {id(w): w for w in [*(w for layer in weights.layers for w in layer.matrices), weights.lm_head] if _int8(w)}
     if not todo:
         return {}
-    sizes = [DecodeBlocks.nbytes_of(w) for w in todo.values()]
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + -(-n // 64) * 64)  # each copy 64-byte aligned, as the kernels load them
+    sizes = [DecodeBlocks.nbytes_of(w) for w in todo.values()]  # multiples of 64 (GROUP_BLOCK_BYTES are)
+    starts = list(itertools.accumulate(sizes, initial=0))  # so every copy is 64-byte aligned, as the kernels load
     buffer = torch.frombuffer(huge_pages(starts[-1]), dtype=torch.uint8)
     return {key: DecodeBlocks.from_blocks(w, buffer[start : start + n])
             for (key, w), start, n in zip(todo.items(), starts[:-1], sizes, strict=True)}
