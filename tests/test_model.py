@@ -437,10 +437,11 @@ def test_decode_gemm_rows_do_not_depend_on_the_call(amx):
 @needs_kernels
 def test_decode_attention_kernel_matches_sdpa_and_ignores_its_neighbours():
     """The pool-reading decode attention equals float32 SDPA over the same bf16 K/V up to its bf16 output rounding,
-    for lengths on both sides of its 16-position score blocks, and each sequence's row is bit for bit the same
-    alone as among others (SmolLM2's heads: 9 query heads on 3 K/V heads of 64)."""
+    for lengths on both sides of its 16-position score blocks and of its chunks (32 positions up to 512, longer
+    beyond), and each sequence's row is bit for bit the same alone as among others (SmolLM2's heads: 9 query heads
+    on 3 K/V heads of 64)."""
     gen = torch.Generator().manual_seed(7)
-    H, KV, D, lengths = 9, 3, 64, [1, 15, 16, 17, 33, 300]
+    H, KV, D, lengths = 9, 3, 64, [1, 15, 16, 17, 33, 300, 1500]
     kv = torch.randn(4096, 2, KV, D, generator=gen).bfloat16()
     q = torch.randn(len(lengths), H, D, generator=gen).bfloat16()
     seq_slots = [torch.randperm(4096, generator=gen)[:s] for s in lengths]  # scattered, as pages are

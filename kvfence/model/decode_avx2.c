@@ -422,7 +422,7 @@ void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint
     }
 }
 
-/* ---- decode attention straight from the pool: one task per (sequence, KV head), as in decode_gemm.c ---------- */
+/* ---- decode attention straight from the pool: one task per (sequence, KV head) ---------------------------- */
 
 /* e^x for x <= 0 (Cody-Waite reduction, degree-7 polynomial): about 1 ulp, and the same on every call. */
 static inline __m256 exp_ps(__m256 x) {
