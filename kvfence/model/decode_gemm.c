@@ -824,10 +824,8 @@ static inline __m512 exp2_weight_ps(__m512 x) {
  * in ascending order: M = max m, o = sum exp(m - M) o, l = sum exp(m - M) l, out = bf16(o / l). A chunk's partial
  * depends only on its own positions, and the merge order only on S, so a row's bits depend neither on the rows beside
  * it nor on which thread took which task; tasks are dealt to the team in equal contiguous shares, so one sequence's
- * chunks spread over every thread (a batch-1 step used to split 3 K/V heads 2 + 1 over two threads). A task reads
- * whole slots (every K and V head of a position, one contiguous run), fetched two 16-position blocks ahead into L2. On
- * a 2-core AMD EPYC, batch 1, against one task per (sequence, K/V head): 1.0-1.05x the decode step at ~200 positions,
- * 1.16x at 1k, 1.42x at 3k. */
+ * chunks spread over every thread. A task reads whole slots (every K and V head of a position, one contiguous run),
+ * fetched two 16-position blocks ahead into L2. (docs/performance-log.md, 2026-12-07, has its measurements.) */
 static inline int64_t chunk_positions(int64_t S) { return S <= 512 ? 32 : (S + 511) / 512 * 32; }
 
 /* The lines of [p, p + bytes) into L2 (slots scattered by page: a pattern the hardware prefetchers miss). */
