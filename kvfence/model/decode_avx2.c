@@ -353,6 +353,10 @@ static inline void block_weights(const uint8_t *gb, int fmt, int hf, __m256i w[8
 }
 
 /* The integer sums of one x block (8 quads xq) against block_weights' operands: 8 lanes, one per weight row. */
+#ifndef Q8_ROW16_BELOW
+#define Q8_ROW16_BELOW 4
+#endif
+
 static inline __m256i block_isum(const __m256i w[8], const __m256i s[8], int fmt, const int32_t *xq) {
     const __m256i ones = _mm256_set1_epi16(1);
     if (fmt == FMT_Q4_1) {
@@ -393,6 +397,60 @@ static inline __attribute__((always_inline)) void q8_rows(const uint8_t *wg, con
     }
 }
 
+/* One row m of x against all 16 rows of one group, both halves in one pass: each x quad is broadcast once for the
+ * 16 rows, and the two accumulators stay in registers. The same integer sums and the same fma sequence per lane
+ * as q8_rows, so the same bits. */
+static inline __attribute__((always_inline)) void q8_row16(const uint8_t *wg, const int FMT, int64_t nb,
+                                                           const int8_t *qx, const float *dx, const float *sx, int64_t m,
+                                                           int64_t K, uint16_t *y) {
+    const int64_t bbytes = FMT == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = wg + b * bbytes;
+        const int32_t *xq = (const int32_t *)(qx + m * K + 32 * b);
+        if (m == 0) /* the first pass over a group streams the next group's block in */
+            for (int64_t l = 0; l < bbytes; l += 64) _mm_prefetch((const char *)gb + nb * bbytes + l, _MM_HINT_T2);
+        __m256i s0, s1;
+        if (FMT == FMT_Q4_1) { /* 16-bit sums: at most 8 x 2 x 15 x 127 = 30,480 */
+            s0 = s1 = _mm256_setzero_si256();
+            UNROLL for (int p = 0; p < 4; p++) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(gb + 64 + 64 * p));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gb + 96 + 64 * p));
+                const __m256i lo = _mm256_set1_epi32(xq[2 * p]), hi = _mm256_set1_epi32(xq[2 * p + 1]);
+                s0 = _mm256_add_epi16(s0, _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v0, low), lo),
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), hi)));
+                s1 = _mm256_add_epi16(s1, _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v1, low), lo),
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), hi)));
+            }
+            s0 = _mm256_madd_epi16(s0, ones), s1 = _mm256_madd_epi16(s1, ones);
+        } else { /* |w| against x with w's sign, widened to 32 bits quad by quad */
+            s0 = s1 = _mm256_setzero_si256();
+            UNROLL for (int j = 0; j < 8; j++) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(gb + 64 + 64 * j));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(gb + 96 + 64 * j));
+                const __m256i xj = _mm256_set1_epi32(xq[j]);
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(xj, w0)), ones));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(xj, w1)), ones));
+            }
+        }
+        const __m256 dxb = _mm256_set1_ps(dx[m * nb + b]);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0),
+                               _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb)), dxb), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
+                               _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 16))), dxb), acc1);
+        if (FMT == FMT_Q4_1) {
+            const __m256 sxb = _mm256_set1_ps(sx[m * nb + b]);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 32))), sxb, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 48))), sxb, acc1);
+        }
+    }
+    store8(y, acc0);
+    store8(y + 8, acc1);
+}
+
 #define Q8_FMT(F, R) q8_rows(wg, F, nb, hf, qx, dx, sx, K, m0, R, acc)
 #define Q8_R(R) do { if (fmt == FMT_Q4_1) Q8_FMT(FMT_Q4_1, R); else Q8_FMT(FMT_Q8_0, R); } while (0)
 
@@ -404,6 +462,15 @@ void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint
     int8_t *qx = (int8_t *)f32_buffer(2, (M * K + 3) / 4 + 2 * M * nb);
     float *dx = (float *)qx + (M * K + 3) / 4, *sx = dx + M * nb;
     quantize_rows(x, ldx, M, K, qx, dx, sx);
+    if (M < Q8_ROW16_BELOW) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t m = 0; m < M; m++) {
+                if (fmt == FMT_Q4_1) q8_row16(w + g * nb * bbytes, FMT_Q4_1, nb, qx, dx, sx, m, K, y + m * ldy + 16 * g);
+                else q8_row16(w + g * nb * bbytes, FMT_Q8_0, nb, qx, dx, sx, m, K, y + m * ldy + 16 * g);
+            }
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *wg = w + g * nb * bbytes;
