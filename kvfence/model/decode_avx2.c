@@ -353,10 +353,6 @@ static inline void block_weights(const uint8_t *gb, int fmt, int hf, __m256i w[8
 }
 
 /* The integer sums of one x block (8 quads xq) against block_weights' operands: 8 lanes, one per weight row. */
-#ifndef Q8_ROW16_BELOW
-#define Q8_ROW16_BELOW 4
-#endif
-
 static inline __m256i block_isum(const __m256i w[8], const __m256i s[8], int fmt, const int32_t *xq) {
     const __m256i ones = _mm256_set1_epi16(1);
     if (fmt == FMT_Q4_1) {
@@ -455,14 +451,17 @@ static inline __attribute__((always_inline)) void q8_row16(const uint8_t *wg, co
 #define Q8_R(R) do { if (fmt == FMT_Q4_1) Q8_FMT(FMT_Q4_1, R); else Q8_FMT(FMT_Q8_0, R); } while (0)
 
 /* y = x w^T for w as N / 16 groups of K / 32 blocks (FMT_Q4_1 or FMT_Q8_0): decode_gemm.c's kvf_gemm_q8. N % 16
- * == 0 and K % 32 == 0 (the caller checks). Threads split the groups. */
+ * == 0 and K % 32 == 0 (the caller checks). Threads split the groups. Fewer than ROW16_BELOW rows take q8_row16
+ * (the decode of a few sequences, which streams the weights); more, q8_rows, which unpacks a half group's weights
+ * once for 4 rows. */
+enum { ROW16_BELOW = 4 };
 void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint16_t *y, int64_t ldy, int64_t M,
                  int64_t N, int64_t K, int nthreads) {
     const int64_t nb = K / 32, groups = N / 16, bbytes = fmt == FMT_Q4_1 ? Q41_GROUP_BLOCK : Q80_GROUP_BLOCK;
     int8_t *qx = (int8_t *)f32_buffer(2, (M * K + 3) / 4 + 2 * M * nb);
     float *dx = (float *)qx + (M * K + 3) / 4, *sx = dx + M * nb;
     quantize_rows(x, ldx, M, K, qx, dx, sx);
-    if (M < Q8_ROW16_BELOW) {
+    if (M < ROW16_BELOW) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t g = 0; g < groups; g++)
             for (int64_t m = 0; m < M; m++) {
