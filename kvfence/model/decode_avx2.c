@@ -368,6 +368,15 @@ static inline __m256i block_isum(const __m256i w[8], const __m256i s[8], int fmt
     return s32;
 }
 
+/* 8 fp16 at p -> fp32 (a block's scales d or minimums m for 8 weight rows). */
+static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* One block's step of the int8 contract, lane by lane: acc = fma(isum, d dx, acc), then (Q4_1) fma(m, sx, acc). */
+static inline __m256 block_fma(__m256 acc, __m256i isum, __m256 d, __m256 mn, float dx, float sx, const int FMT) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc);
+    return FMT == FMT_Q4_1 ? _mm256_fmadd_ps(mn, _mm256_set1_ps(sx), acc) : acc;
+}
+
 /* Rows [m0, m0 + R) of x (quantized: qx, dx, sx) against rows 8 hf .. 8 hf + 7 of one group -> acc; R and FMT are
  * constants at each call, so the loops unroll and acc stays in registers. */
 static inline __attribute__((always_inline)) void q8_rows(const uint8_t *wg, const int FMT, int64_t nb, int hf,
@@ -379,23 +388,20 @@ static inline __attribute__((always_inline)) void q8_rows(const uint8_t *wg, con
         const uint8_t *gb = wg + b * bbytes;
         if (m0 == 0 && hf == 0) /* the first pass over a group streams the next group's block in */
             for (int64_t l = 0; l < bbytes; l += 64) _mm_prefetch((const char *)gb + nb * bbytes + l, _MM_HINT_T2);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 16 * hf)));
-        const __m256 mn = FMT == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 32 + 16 * hf)))
-                                          : _mm256_setzero_ps();
+        const __m256 d = half8(gb + 16 * hf), mn = FMT == FMT_Q4_1 ? half8(gb + 32 + 16 * hf) : _mm256_setzero_ps();
         __m256i wv[8], sv[8];
         block_weights(gb, FMT, hf, wv, sv);
         UNROLL for (int r = 0; r < R; r++) {
             const int64_t m = m0 + r;
             const __m256i isum = block_isum(wv, sv, FMT, (const int32_t *)(qx + m * K + 32 * b));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx[m * nb + b])), acc[r]);
-            if (FMT == FMT_Q4_1) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[m * nb + b]), acc[r]);
+            acc[r] = block_fma(acc[r], isum, d, mn, dx[m * nb + b], sx[m * nb + b], FMT);
         }
     }
 }
 
 /* One row m of x against all 16 rows of one group, both halves in one pass: each x quad is broadcast once for the
- * 16 rows, and the two accumulators stay in registers. The same integer sums and the same fma sequence per lane
- * as q8_rows, so the same bits. */
+ * 16 rows, and the two accumulators stay in registers. The same integer sums and the same block_fma per lane as
+ * q8_rows, so the same bits. */
 static inline __attribute__((always_inline)) void q8_row16(const uint8_t *wg, const int FMT, int64_t nb,
                                                            const int8_t *qx, const float *dx, const float *sx, int64_t m,
                                                            int64_t K, uint16_t *y) {
@@ -432,16 +438,10 @@ static inline __attribute__((always_inline)) void q8_row16(const uint8_t *wg, co
                     _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(xj, w1)), ones));
             }
         }
-        const __m256 dxb = _mm256_set1_ps(dx[m * nb + b]);
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0),
-                               _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb)), dxb), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
-                               _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 16))), dxb), acc1);
-        if (FMT == FMT_Q4_1) {
-            const __m256 sxb = _mm256_set1_ps(sx[m * nb + b]);
-            acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 32))), sxb, acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 48))), sxb, acc1);
-        }
+        acc0 = block_fma(acc0, s0, half8(gb), FMT == FMT_Q4_1 ? half8(gb + 32) : _mm256_setzero_ps(),
+                         dx[m * nb + b], sx[m * nb + b], FMT);
+        acc1 = block_fma(acc1, s1, half8(gb + 16), FMT == FMT_Q4_1 ? half8(gb + 48) : _mm256_setzero_ps(),
+                         dx[m * nb + b], sx[m * nb + b], FMT);
     }
     store8(y, acc0);
     store8(y + 8, acc1);
