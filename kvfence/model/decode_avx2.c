@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,11 +92,11 @@ static inline void store_n(__m256 r, int n, uint16_t *y) {
     memcpy(y, tmp, n * sizeof(uint16_t));
 }
 
-/* This thread's fp32 buffer ``slot`` (0: the caller's x, 1: a task's weight rows, 2: quantized x) of at least n
- * values. */
+/* This thread's fp32 buffer ``slot`` (0: the caller's x, 1: a task's weight rows, 2: quantized x, 3: the decode
+ * attention's tasks and partials, 4: a decode attention task's scratch) of at least n values. */
 static float *f32_buffer(int slot, int64_t n) {
-    static __thread float *buf[3];
-    static __thread int64_t cap[3];
+    static __thread float *buf[5];
+    static __thread int64_t cap[5];
     if (n > cap[slot]) {
         free(buf[slot]);
         cap[slot] = n + n / 2;
@@ -488,7 +489,7 @@ void kvf_gemm_q8(const uint16_t *x, int64_t ldx, const uint8_t *w, int fmt, uint
     }
 }
 
-/* ---- decode attention straight from the pool: one task per (sequence, KV head) ---------------------------- */
+/* ---- attention ------------------------------------------------------------------------------------------ */
 
 /* e^x for x <= 0 (Cody-Waite reduction, degree-7 polynomial): about 1 ulp, and the same on every call. */
 static inline __m256 exp_ps(__m256 x) {
@@ -508,74 +509,6 @@ static inline __m256 exp_ps(__m256 x) {
     /* times 2^n, n in [-126, 0]: n + 127 into the exponent field */
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-static inline void prefetch_head(const uint16_t *p, int64_t D) {
-    for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
-}
-
-#define MAX_G 16
-#define MAX_DV 32 /* D <= 256 */
-
-/* As decode_gemm.c's: q row i at q + i * ldq (H heads of D); slot s's K heads at kv + s * slot_stride, V heads
- * KV * D after; sequence i's positions slots[starts[i] .. starts[i + 1]); out row i at out + i * ldo. Needs
- * D % 16 == 0, D <= 256, H / KV <= 16 (the caller checks). */
-void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, int64_t slot_stride,
-                          const int64_t *slots, const int64_t *starts, int64_t n, int64_t H, int64_t KV, int64_t D,
-                          float scale, uint16_t *out, int64_t ldo, int nthreads) {
-    const int64_t G = H / KV, DV = D / 8;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t task = 0; task < n * KV; task++) {
-        const int64_t i = task / KV, h = task % KV, S = starts[i + 1] - starts[i], stride = S + 8;
-        const int64_t *pos = slots + starts[i];
-        float *sc = malloc(sizeof(float) * G * stride);
-        __m256 qf[MAX_G][MAX_DV], o[MAX_G][MAX_DV];
-        float mx[MAX_G], inv[MAX_G];
-        for (int64_t g = 0; g < G; g++) {
-            mx[g] = -FLT_MAX;
-            for (int64_t v = 0; v < DV; v++) qf[g][v] = load8(q + i * ldq + (h * G + g) * D + v * 8);
-        }
-        for (int64_t p = 0; p < S; p++) { /* scores */
-            const uint16_t *k = kv + pos[p] * slot_stride + h * D;
-            if (p + 8 < S) prefetch_head(kv + pos[p + 8] * slot_stride + h * D, D);
-            __m256 kf[MAX_DV];
-            for (int64_t v = 0; v < DV; v++) kf[v] = load8(k + v * 8);
-            for (int64_t g = 0; g < G; g++) {
-                __m256 acc = _mm256_mul_ps(qf[g][0], kf[0]);
-                for (int64_t v = 1; v < DV; v++) acc = _mm256_fmadd_ps(qf[g][v], kf[v], acc);
-                const float s = sum1(acc) * scale;
-                sc[g * stride + p] = s;
-                mx[g] = s > mx[g] ? s : mx[g];
-            }
-        }
-        for (int64_t g = 0; g < G; g++) { /* softmax weights, unnormalised (zero past S); 1 / their sum */
-            float *row = sc + g * stride;
-            for (int64_t p = S; p < (S + 7) / 8 * 8; p++) row[p] = -INFINITY;
-            __m256 sum = _mm256_setzero_ps();
-            const __m256 m = _mm256_set1_ps(mx[g]);
-            for (int64_t p = 0; p < S; p += 8) {
-                const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(row + p), m));
-                const __m256 valid = _mm256_cmp_ps(_mm256_loadu_ps(row + p), _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                const __m256 ev = _mm256_and_ps(e, valid);
-                _mm256_storeu_ps(row + p, ev);
-                sum = _mm256_add_ps(sum, ev);
-            }
-            inv[g] = 1.0f / sum1(sum);
-            for (int64_t v = 0; v < DV; v++) o[g][v] = _mm256_setzero_ps();
-        }
-        for (int64_t p = 0; p < S; p++) { /* weighted sum of V, position by position */
-            const uint16_t *vp = kv + pos[p] * slot_stride + (KV + h) * D;
-            if (p + 8 < S) prefetch_head(kv + pos[p + 8] * slot_stride + (KV + h) * D, D);
-            for (int64_t v = 0; v < DV; v++) {
-                const __m256 vf = load8(vp + v * 8);
-                for (int64_t g = 0; g < G; g++) o[g][v] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g * stride + p]), vf, o[g][v]);
-            }
-        }
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t v = 0; v < DV; v++)
-                store8(out + i * ldo + (h * G + g) * D + v * 8, _mm256_mul_ps(o[g][v], _mm256_set1_ps(inv[g])));
-        free(sc);
-    }
 }
 
 /* ---- prefill attention: one task per query head, all in fp32 -------------------------------------------------
@@ -621,9 +554,9 @@ SCORES(1)
 WEIGH_V(8)
 WEIGH_V(4)
 
-/* The softmax weights of a score row over the ``seen`` positions it sees: exp(scale s - max) in place, zero past
- * seen up to the next multiple of 8; returns 1 / their sum (8 lanes, then sum1). */
-static inline float softmax_row(float *row, int64_t seen, float scale) {
+/* The softmax weights of a score row over the ``seen`` positions it sees: exp(scale s - m) in place, m the scaled
+ * scores' max (to *max), zero past seen up to the next multiple of 8; returns their sum (8 lanes, then sum1). */
+static inline float softmax_row(float *row, int64_t seen, float scale, float *max) {
     const __m256 sv = _mm256_set1_ps(scale), iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 mx = _mm256_set1_ps(-FLT_MAX), sum = _mm256_setzero_ps();
     for (int64_t j = 0; j < seen; j += 8) {
@@ -631,7 +564,8 @@ static inline float softmax_row(float *row, int64_t seen, float scale) {
                                           _CMP_LT_OQ);
         mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), _mm256_mul_ps(_mm256_loadu_ps(row + j), sv), live));
     }
-    const __m256 mv = _mm256_set1_ps(max8(mx));
+    *max = max8(mx);
+    const __m256 mv = _mm256_set1_ps(*max);
     for (int64_t j = 0; j < seen; j += 8) {
         const __m256 live = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)j), iota), _mm256_set1_ps((float)seen),
                                           _CMP_LT_OQ);
@@ -639,7 +573,7 @@ static inline float softmax_row(float *row, int64_t seen, float scale) {
         _mm256_storeu_ps(row + j, e);
         sum = _mm256_add_ps(sum, e);
     }
-    return 1.0f / sum1(sum);
+    return sum1(sum);
 }
 
 void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, int64_t slot_stride,
@@ -670,7 +604,8 @@ void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, i
                 for (; j0 < keys8; j0 += 8) scores_1(qf, D, kt, j0, sc, S8);
                 for (int64_t r = 0; r < rows; r++) {
                     const int64_t seen = S - n + i0 + r + 1;
-                    const __m256 inv = _mm256_set1_ps(softmax_row(sc + r * S8, seen, scale));
+                    float row_max;
+                    const __m256 inv = _mm256_set1_ps(1.0f / softmax_row(sc + r * S8, seen, scale, &row_max));
                     __m256 o[ATTN_MAX_D / 8];
                     if (DV == 8) weigh_v_8(sc + r * S8, vf, seen, o);
                     else weigh_v_4(sc + r * S8, vf, seen, o);
@@ -679,6 +614,166 @@ void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, i
             }
         }
         free(kt), free(vf), free(sc);
+    }
+}
+
+/* ---- decode attention straight from the pool: chunks of a sequence's positions, merged ------------------------
+ *
+ * The split of decode_gemm.c's: each sequence's S positions fall into chunks of chunk_positions(S) (32, more past
+ * 512: at most 16 chunks), and a task is one chunk of one sequence with every head. A task reads its slots once,
+ * whole (every K and V head of a position is one contiguous run), into fp32; then per K/V head, for each of its
+ * query heads, the scores (8 positions at a time, each an
+ * ascending fma chain over d in 8 lanes, the lanes summed by sum8), the weights exp(scale s - m) with m the chunk's
+ * max and their sum l (softmax_row), and o = the weighted sum of V, position by position ascending. Each (sequence,
+ * query head) then merges its chunks in ascending order: M = max m, o = sum exp(m - M) o, l = sum exp(m - M) l,
+ * out = bf16(o / l). The chunks follow from S alone and a chunk's steps from its own positions, so a row's bits
+ * depend neither on the rows beside it nor on the thread count; tasks are dealt in equal contiguous shares, so one
+ * sequence's chunks spread over every thread. */
+static inline int64_t chunk_positions(int64_t S) { return S <= 512 ? 32 : (S + 511) / 512 * 32; }
+
+/* The lines of [p, p + bytes) into L1 (slots scattered by page: a pattern the hardware prefetchers miss), for the
+ * slot SLOTS_AHEAD positions on. */
+enum { SLOTS_AHEAD = 4 };
+static inline void prefetch_slot(const void *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
+/* Unscaled scores of the query qf (fp32, D = 8 DV) against the K rows kf[0 .. n) (fp32, D apart, zero up to the
+ * next multiple of 8) into sc. */
+static inline __attribute__((always_inline)) void chunk_scores(const float *qf, const float *kf, int64_t n,
+                                                               const int64_t DV, float *sc) {
+    __m256 qv[32];
+    UNROLL for (int64_t v = 0; v < DV; v++) qv[v] = _mm256_loadu_ps(qf + 8 * v);
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        __m256 acc[8];
+        UNROLL for (int j = 0; j < 8; j++) {
+            const float *k = kf + (j0 + j) * 8 * DV;
+            __m256 a = _mm256_mul_ps(qv[0], _mm256_load_ps(k));
+            UNROLL for (int64_t v = 1; v < DV; v++) a = _mm256_fmadd_ps(qv[v], _mm256_load_ps(k + 8 * v), a);
+            acc[j] = a;
+        }
+        _mm256_storeu_ps(sc + j0, sum8(acc));
+    }
+}
+
+/* For query heads g < GB (weights w + g ld) and value slices c < VB: out + g ostride + 8 c = the sum over the n
+ * positions of weight times V (fp32 rows vf + p D + 8 c), ascending. */
+static inline __attribute__((always_inline)) void chunk_values(const float *vf, int64_t D, int64_t n, const float *w,
+                                                               int64_t ld, const int GB, const int VB, float *out,
+                                                               int64_t ostride) {
+    __m256 o[12];
+    UNROLL for (int i = 0; i < GB * VB; i++) o[i] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < n; p++) {
+        __m256 wb[3];
+        UNROLL for (int g = 0; g < GB; g++) wb[g] = _mm256_broadcast_ss(w + g * ld + p);
+        UNROLL for (int c = 0; c < VB; c++) {
+            const __m256 v = _mm256_load_ps(vf + p * D + 8 * c);
+            UNROLL for (int g = 0; g < GB; g++) o[g * VB + c] = _mm256_fmadd_ps(wb[g], v, o[g * VB + c]);
+        }
+    }
+    UNROLL for (int g = 0; g < GB; g++) UNROLL for (int c = 0; c < VB; c++)
+        _mm256_storeu_ps(out + g * ostride + 8 * c, o[g * VB + c]);
+}
+
+#define CHUNK_VALUES(GB, VB) chunk_values(vh + 8 * c, D, n, w, ld, GB, VB, dst + 8 * c, D + 2)
+
+/* One task: positions pos[0 .. n) of the sequence whose query row is q. part gets, per query head, o (D floats),
+ * then m and l. kf, vf: KV x ld rows of D floats (ld >= n rounded up to 8); sc: G rows of ld floats; qf: D floats.
+ * The chunk's slots are read once, whole (every K and V head of a position: one contiguous run), into kf and vf. */
+static void attend_chunk(const uint16_t *q, const uint16_t *kv, int64_t slot_stride, const int64_t *pos, int64_t n,
+                         int64_t KV, int64_t G, int64_t D, float scale, float *kf, float *vf, float *sc, int64_t ld,
+                         float *qf, float *part) {
+    const int64_t DV = D / 8, n8 = (n + 7) / 8 * 8;
+    for (int64_t p = 0; p < SLOTS_AHEAD && p < n; p++) prefetch_slot(kv + pos[p] * slot_stride, 4 * KV * D);
+    for (int64_t p = 0; p < n; p++) {
+        if (p + SLOTS_AHEAD < n) prefetch_slot(kv + pos[p + SLOTS_AHEAD] * slot_stride, 4 * KV * D);
+        const uint16_t *slot = kv + pos[p] * slot_stride;
+        for (int64_t kh = 0; kh < KV; kh++)
+            for (int64_t c = 0; c < DV; c++) {
+                _mm256_store_ps(kf + (kh * ld + p) * D + 8 * c, load8(slot + kh * D + 8 * c));
+                _mm256_store_ps(vf + (kh * ld + p) * D + 8 * c, load8(slot + (KV + kh) * D + 8 * c));
+            }
+    }
+    for (int64_t kh = 0; kh < KV; kh++) {
+        const float *kh_f = kf + kh * ld * D, *vh = vf + kh * ld * D;
+        memset(kf + (kh * ld + n) * D, 0, sizeof(float) * (n8 - n) * D);
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t h = kh * G + g;
+            for (int64_t c = 0; c < DV; c++) _mm256_storeu_ps(qf + 8 * c, load8(q + h * D + 8 * c));
+            if (DV == 8) chunk_scores(qf, kh_f, n, 8, sc + g * ld);
+            else if (DV == 4) chunk_scores(qf, kh_f, n, 4, sc + g * ld);
+            else chunk_scores(qf, kh_f, n, DV, sc + g * ld);
+            float *ml = part + h * (D + 2) + D;
+            ml[1] = softmax_row(sc + g * ld, n, scale, ml);
+        }
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {
+            const float *w = sc + g0 * ld;
+            float *dst = part + (kh * G + g0) * (D + 2);
+            for (int64_t c = 0; c < DV; c += DV % 4 ? 2 : 4) {
+                if (G - g0 >= 3) { if (DV % 4) CHUNK_VALUES(3, 2); else CHUNK_VALUES(3, 4); }
+                else if (G - g0 == 2) { if (DV % 4) CHUNK_VALUES(2, 2); else CHUNK_VALUES(2, 4); }
+                else { if (DV % 4) CHUNK_VALUES(1, 2); else CHUNK_VALUES(1, 4); }
+            }
+        }
+    }
+}
+
+/* Query head h of one sequence from its chunks' partials (ascending), to bf16 at out. */
+static void merge_chunks(const float *parts, int64_t chunks, int64_t H, int64_t h, int64_t D, uint16_t *out) {
+    const int64_t stride = H * (D + 2);
+    float M = -FLT_MAX, l = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) M = fmaxf(M, parts[c * stride + h * (D + 2) + D]);
+    __m256 o[32];
+    for (int64_t v = 0; v < D / 8; v++) o[v] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *p = parts + c * stride + h * (D + 2);
+        const __m256 f = exp_ps(_mm256_set1_ps(p[D] - M));
+        l += _mm256_cvtss_f32(f) * p[D + 1];
+        for (int64_t v = 0; v < D / 8; v++) o[v] = _mm256_fmadd_ps(f, _mm256_loadu_ps(p + 8 * v), o[v]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / l);
+    for (int64_t v = 0; v < D / 8; v++) store8(out + h * D + 8 * v, _mm256_mul_ps(o[v], inv));
+}
+
+/* As decode_gemm.c's: q row i at q + i * ldq (H heads of D); slot s's K heads at kv + s * slot_stride, V heads
+ * KV * D after; sequence i's positions slots[starts[i] .. starts[i + 1]); out row i at out + i * ldo. Needs
+ * D % 16 == 0, D <= 256 (the caller checks). */
+void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, int64_t slot_stride,
+                          const int64_t *slots, const int64_t *starts, int64_t n, int64_t H, int64_t KV, int64_t D,
+                          float scale, uint16_t *out, int64_t ldo, int nthreads) {
+    const int64_t G = H / KV, stride = H * (D + 2);
+    int64_t tasks = 0, longest = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t S = starts[i + 1] - starts[i];
+        tasks += (S + chunk_positions(S) - 1) / chunk_positions(S);
+        longest = S > longest ? S : longest;
+    }
+    /* per task: its sequence and first position; then per sequence its first task; then the tasks' partials */
+    int64_t *table = (int64_t *)f32_buffer(3, 2 * (2 * tasks + n + 1) + stride * tasks), *first = table + 2 * tasks;
+    float *parts = (float *)(first + n + 1);
+    for (int64_t i = 0, t = 0; i < n; i++) {
+        const int64_t S = starts[i + 1] - starts[i], C = chunk_positions(S);
+        first[i] = t;
+        for (int64_t p = 0; p < S; p += C, t++) table[2 * t] = i, table[2 * t + 1] = p;
+    }
+    first[n] = tasks;
+    const int64_t ld = (chunk_positions(longest) + 7) / 8 * 8;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *kf = f32_buffer(4, 2 * KV * ld * D + G * ld + D), *vf = kf + KV * ld * D, *sc = vf + KV * ld * D;
+        float *qf = sc + G * ld;
+        for (int64_t k = tasks * t / nt; k < tasks * (t + 1) / nt; k++) {
+            const int64_t i = table[2 * k], p = table[2 * k + 1], S = starts[i + 1] - starts[i];
+            const int64_t C = chunk_positions(S), m = S - p < C ? S - p : C;
+            attend_chunk(q + i * ldq, kv, slot_stride, slots + starts[i] + p, m, KV, G, D, scale, kf, vf, sc, ld,
+                         qf, parts + k * stride);
+        }
+#pragma omp barrier
+        for (int64_t r = n * H * t / nt; r < n * H * (t + 1) / nt; r++) {
+            const int64_t i = r / H;
+            merge_chunks(parts + first[i] * stride, first[i + 1] - first[i], H, r % H, D, out + i * ldo);
+        }
     }
 }
 
