@@ -319,7 +319,9 @@ def check_invariance(loaded, long_prefill: int, decoders: int) -> None:
 
 @pytest.mark.model
 def test_batch_invariance_bf16(bf16):
-    check_invariance(bf16, long_prefill=2048, decoders=31)  # up to 2048 + 91 + 8 rows in one call
+    # up to 2048 + 91 + 8 rows in one call; with no C kernels (the no-compiler rerun below: torch's bf16 matmuls, ~7x
+    # slower than its float32 on CPUs without AVX512-BF16) a 700-token prefill
+    check_invariance(bf16, long_prefill=2048 if CAPS.flavour else 700, decoders=31)
 
 
 @pytest.mark.model
@@ -400,7 +402,8 @@ def check_decode_groups(loaded, lengths: dict[int, int]) -> None:
 
 @pytest.mark.model
 def test_decode_groups_bf16(bf16):
-    check_decode_groups(bf16, {150: 16, 37: 8, 530: 4, 1: 2})  # 530 > 512, the CPU kernel's key block
+    # 530 > 512, the CPU kernel's key block; with no C kernels (torch's slow bf16, as above) fewer and shorter
+    check_decode_groups(bf16, {150: 16, 37: 8, 530: 4, 1: 2} if CAPS.flavour else {150: 6, 37: 8, 1: 2})
 
 
 @pytest.mark.model
