@@ -20,6 +20,7 @@
 
 #include "bf16.h"
 #include "blocks.h"
+#include "decode_chunks.h"
 
 int kvf_amx_init(void) { return 0; } /* no tiles here: kernels.py then never asks for AMX entry points */
 
@@ -619,18 +620,13 @@ void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, i
 
 /* ---- decode attention straight from the pool: chunks of a sequence's positions, merged ------------------------
  *
- * The split of decode_gemm.c's: each sequence's S positions fall into chunks of chunk_positions(S) (32, more past
- * 512: at most 16 chunks), and a task is one chunk of one sequence with every head. A task reads its slots once,
- * whole (every K and V head of a position is one contiguous run), into fp32; then per K/V head, for each of its
- * query heads, the scores (8 positions at a time, each an
- * ascending fma chain over d in 8 lanes, the lanes summed by sum8), the weights exp(scale s - m) with m the chunk's
- * max and their sum l (softmax_row), and o = the weighted sum of V, position by position ascending. Each (sequence,
- * query head) then merges its chunks in ascending order: M = max m, o = sum exp(m - M) o, l = sum exp(m - M) l,
- * out = bf16(o / l). The chunks follow from S alone and a chunk's steps from its own positions, so a row's bits
- * depend neither on the rows beside it nor on the thread count; tasks are dealt in equal contiguous shares, so one
- * sequence's chunks spread over every thread. */
-static inline int64_t chunk_positions(int64_t S) { return S <= 512 ? 32 : (S + 511) / 512 * 32; }
-
+ * The split of decode_chunks.h. A task reads its slots once, whole (every K and V head of a position is one
+ * contiguous run), into fp32; then per K/V head, for each of its query heads, the scores (8 positions at a time,
+ * each an ascending fma chain over d in 8 lanes, the lanes summed by sum8), the weights exp(scale s - m) with m the
+ * chunk's max and their sum l (softmax_row), and o = the weighted sum of V, position by position ascending. Each
+ * (sequence, query head) then merges its chunks in ascending order: M = max m, o = sum exp(m - M) o, l = sum
+ * exp(m - M) l, out = bf16(o / l). Tasks are dealt in equal contiguous shares, so one sequence's chunks spread
+ * over every thread. */
 /* The lines of [p, p + bytes) into L1 (slots scattered by page: a pattern the hardware prefetchers miss), for the
  * slot SLOTS_AHEAD positions on. */
 enum { SLOTS_AHEAD = 4 };
@@ -742,21 +738,12 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
                           const int64_t *slots, const int64_t *starts, int64_t n, int64_t H, int64_t KV, int64_t D,
                           float scale, uint16_t *out, int64_t ldo, int nthreads) {
     const int64_t G = H / KV, stride = H * (D + 2);
-    int64_t tasks = 0, longest = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t S = starts[i + 1] - starts[i];
-        tasks += (S + chunk_positions(S) - 1) / chunk_positions(S);
-        longest = S > longest ? S : longest;
-    }
-    /* per task: its sequence and first position; then per sequence its first task; then the tasks' partials */
+    int64_t longest;
+    const int64_t tasks = chunk_tasks(starts, n, &longest);
+    /* chunk_table's table and first, then the tasks' partials */
     int64_t *table = (int64_t *)f32_buffer(3, 2 * (2 * tasks + n + 1) + stride * tasks), *first = table + 2 * tasks;
     float *parts = (float *)(first + n + 1);
-    for (int64_t i = 0, t = 0; i < n; i++) {
-        const int64_t S = starts[i + 1] - starts[i], C = chunk_positions(S);
-        first[i] = t;
-        for (int64_t p = 0; p < S; p += C, t++) table[2 * t] = i, table[2 * t + 1] = p;
-    }
-    first[n] = tasks;
+    chunk_table(starts, n, table, first);
     const int64_t ld = (chunk_positions(longest) + 7) / 8 * 8;
 #pragma omp parallel num_threads(nthreads)
     {

@@ -21,6 +21,7 @@
 
 #include "bf16.h"
 #include "blocks.h"
+#include "decode_chunks.h"
 
 /* The first min(left, 16) of 16 lanes; none when left <= 0. */
 static inline __mmask16 first_lanes(int64_t left) {
@@ -816,17 +817,15 @@ static inline __m512 exp2_weight_ps(__m512 x) {
 
 #define MAX_DV 16 /* D <= 256 */
 
-/* Decode attention splits each sequence's S positions into chunks of chunk_positions(S) (32, more past 512: at most 16
- * chunks). A task is one chunk of one sequence, all its heads: for every query head its scores (the bf16 dot products
- * on vdpbf16ps, D / 32 of them, the last one masked; 16 positions' lanes summed at once by sum16; times scale), their
- * max m, the weights exp(score - m) in fp32 and their sum l (16 lanes at a time, ascending, then one lane sum), and o
- * = the weighted sum of V in fp32, position by position ascending. Then each (sequence, query head) merges its chunks
- * in ascending order: M = max m, o = sum exp(m - M) o, l = sum exp(m - M) l, out = bf16(o / l). A chunk's partial
- * depends only on its own positions, and the merge order only on S, so a row's bits depend neither on the rows beside
- * it nor on which thread took which task; tasks are dealt to the team in equal contiguous shares, so one sequence's
- * chunks spread over every thread. A task reads whole slots (every K and V head of a position, one contiguous run),
- * fetched two 16-position blocks ahead into L2. (docs/performance-log.md, 2026-12-07, has its measurements.) */
-static inline int64_t chunk_positions(int64_t S) { return S <= 512 ? 32 : (S + 511) / 512 * 32; }
+/* Decode attention splits its work as decode_chunks.h says. A task (one chunk of one sequence, all its heads)
+ * computes for every query head its scores (the bf16 dot products on vdpbf16ps, D / 32 of them, the last one
+ * masked; 16 positions' lanes summed at once by sum16; times scale), their max m, the weights exp(score - m) in fp32
+ * and their sum l (16 lanes at a time, ascending, then one lane sum), and o = the weighted sum of V in fp32, position
+ * by position ascending. Then each (sequence, query head) merges its chunks in ascending order: M = max m, o = sum
+ * exp(m - M) o, l = sum exp(m - M) l, out = bf16(o / l). Tasks are dealt to the team in equal contiguous shares, so
+ * one sequence's chunks spread over every thread. A task reads whole slots (every K and V head of a position, one
+ * contiguous run), fetched two 16-position blocks ahead into L2. (docs/performance-log.md, 2026-12-07, has its
+ * measurements.) */
 
 /* The lines of [p, p + bytes) into L2 (slots scattered by page: a pattern the hardware prefetchers miss). */
 static inline void prefetch_l2(const void *p, int64_t bytes) {
@@ -918,21 +917,12 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
                           const int64_t *slots, const int64_t *starts, int64_t n, int64_t H, int64_t KV, int64_t D,
                           float scale, uint16_t *out, int64_t ldo, int nthreads) {
     const int64_t G = H / KV, DV = D / 16, stride = H * (D + 2);
-    int64_t tasks = 0, longest = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t S = starts[i + 1] - starts[i];
-        tasks += (S + chunk_positions(S) - 1) / chunk_positions(S);
-        longest = S > longest ? S : longest;
-    }
-    /* per task: its sequence and first position; then per sequence its first task; then the tasks' partials */
+    int64_t longest;
+    const int64_t tasks = chunk_tasks(starts, n, &longest);
+    /* chunk_table's table and first, then the tasks' partials */
     int64_t *table = caller_buffer(8 * (2 * tasks + n + 1) + 4 * stride * tasks + 64), *first = table + 2 * tasks;
     float *parts = (float *)((uintptr_t)(first + n + 1) / 64 * 64 + 64);
-    for (int64_t i = 0, t = 0; i < n; i++) {
-        const int64_t S = starts[i + 1] - starts[i], C = chunk_positions(S);
-        first[i] = t;
-        for (int64_t p = 0; p < S; p += C, t++) table[2 * t] = i, table[2 * t + 1] = p;
-    }
-    first[n] = tasks;
+    chunk_table(starts, n, table, first);
     const int64_t ld = (chunk_positions(longest) + 15) / 16 * 16;
 #pragma omp parallel num_threads(nthreads)
     {
