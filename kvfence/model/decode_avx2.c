@@ -627,6 +627,7 @@ void kvf_prefill_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, i
  * (sequence, query head) then merges its chunks in ascending order: M = max m, o = sum exp(m - M) o, l = sum
  * exp(m - M) l, out = bf16(o / l). Tasks are dealt in equal contiguous shares, so one sequence's chunks spread
  * over every thread. */
+
 /* The lines of [p, p + bytes) into L1 (slots scattered by page: a pattern the hardware prefetchers miss), for the
  * slot SLOTS_AHEAD positions on. */
 enum { SLOTS_AHEAD = 4 };
