@@ -696,7 +696,7 @@ static void attend_chunk(const uint16_t *q, const uint16_t *kv, int64_t slot_str
         memset(kf + (kh * ld + n) * D, 0, sizeof(float) * (n8 - n) * D);
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = kh * G + g;
-            for (int64_t c = 0; c < DV; c++) _mm256_storeu_ps(qf + 8 * c, load8(q + h * D + 8 * c));
+            widen_row((const uint8_t *)(q + h * D), FMT_BF16, D, D, qf);
             if (DV == 8) chunk_scores(qf, kh_f, n, 8, sc + g * ld);
             else if (DV == 4) chunk_scores(qf, kh_f, n, 4, sc + g * ld);
             else chunk_scores(qf, kh_f, n, DV, sc + g * ld);
@@ -745,7 +745,7 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
     int64_t *table = (int64_t *)f32_buffer(3, 2 * (2 * tasks + n + 1) + stride * tasks), *first = table + 2 * tasks;
     float *parts = (float *)(first + n + 1);
     chunk_table(starts, n, table, first);
-    const int64_t ld = (chunk_positions(longest) + 7) / 8 * 8;
+    const int64_t ld = chunk_positions(longest); /* a multiple of 32: room for any chunk rounded up to 8 */
 #pragma omp parallel num_threads(nthreads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();

@@ -5,6 +5,7 @@
 #pragma once
 #include <stdint.h>
 
+/* Positions per chunk of a sequence of S: always a multiple of 32. */
 static inline int64_t chunk_positions(int64_t S) { return S <= 512 ? 32 : (S + 511) / 512 * 32; }
 
 /* The number of tasks of n sequences (sequence i's positions starts[i] .. starts[i + 1]); *longest gets the

@@ -923,7 +923,7 @@ void kvf_decode_attention(const uint16_t *q, int64_t ldq, const uint16_t *kv, in
     int64_t *table = caller_buffer(8 * (2 * tasks + n + 1) + 4 * stride * tasks + 64), *first = table + 2 * tasks;
     float *parts = (float *)((uintptr_t)(first + n + 1) / 64 * 64 + 64);
     chunk_table(starts, n, table, first);
-    const int64_t ld = (chunk_positions(longest) + 15) / 16 * 16;
+    const int64_t ld = chunk_positions(longest); /* a multiple of 32: room for any chunk rounded up to 16 */
 #pragma omp parallel num_threads(nthreads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
