@@ -1,9 +1,11 @@
-"""Fixtures several test files share, and the check that every test carries one speed mark (tests/marks.py)."""
+"""Fixtures several test files share, the check that every test carries one speed mark (tests/marks.py), and the
+long checks that run in the background (tests/background.py)."""
 
 from pathlib import Path
 
 import pytest
 
+from tests.background import background_result, pytest_collection_finish, pytest_sessionfinish  # noqa: F401
 from tests.marks import pytest_collection_modifyitems  # noqa: F401 (the hook: pytest finds it here)
 from tests.server import Server
 from tests.tiny_models import tiny_model_dir

@@ -20,6 +20,7 @@ from kvfence.model.backends import CBackend, TorchBackend, choose_backend
 from kvfence.model.batch import SeqChunk
 from kvfence.model.llama import Model
 from kvfence.model.loader import load_model
+from tests.background import background
 from tests.tiny_models import ARCHS, greedy, tiny_model_dir
 
 CAPS = kernels.detect()
@@ -116,12 +117,18 @@ def test_raw_pointers_stay_in_the_c_backend_and_the_kernels():
     assert found == set(POINTERS)
 
 
+def rerun_forced(forced: str) -> subprocess.CompletedProcess:
+    """The tests above in a fresh process with ``KVFENCE_CPU=forced``, in the background (tests/background.py)."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "not forced"], env={**os.environ, "KVFENCE_CPU": forced}, capture_output=True, text=True,
+                          timeout=3000)  # on idle CPU only: minutes, more if the suite keeps both cores busy
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("forced", [f for f in ("amx", "avx512", "avx2", "none") if f != CAPS.flavour])
-def test_every_forced_flavour_gets_its_backend_and_the_reference_tokens(forced):
+@background(rerun_forced)
+def test_every_forced_flavour_gets_its_backend_and_the_reference_tokens(forced, background_result):
     """The tests above in a fresh process per ``KVFENCE_CPU`` value (the flavour is fixed per process)."""
-    env = {**os.environ, "KVFENCE_CPU": forced}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "not forced"], env=env, capture_output=True, text=True, timeout=580)
+    run = background_result
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

@@ -10,6 +10,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -24,7 +25,8 @@ from kvfence.model.gguf_file import read_gguf
 from kvfence.model.llama import Model
 from kvfence.model.loader import _unpermute_rope, load_model, smollm2_gguf_path
 from kvfence.model.memory import HUGE_PAGE, huge_pages
-from tests.tiny_models import ARCHS, greedy, smollm2, tiny_model_dir
+from tests.background import background
+from tests.tiny_models import ARCHS, greedy, smollm2, smollm2_tokenizer, tiny_model_dir
 
 REL_TOL = 2e-5  # float32, against transformers, relative to the largest logit
 CHUNK_REL_TOL = 1e-4  # float32, chunked against unchunked prefill (different kernels and block sizes)
@@ -188,24 +190,31 @@ def test_logits_match_transformers(f32, hf):
         assert_close(prefill(f32.model, [ids], pool), hf_logits(hf, ids), REL_TOL)
 
 
-@pytest.mark.model
-def test_greedy_matches_transformers(f32, hf):
-    eos = (
-        frozenset([hf.generation_config.eos_token_id])
-        if isinstance(hf.generation_config.eos_token_id, int)
-        else frozenset(hf.generation_config.eos_token_id)
-    )
+def greedy_of_transformers() -> tuple[frozenset[int], list[list[int]]]:
+    """Transformers' EOS ids and its greedy tokens for each of ``PROMPTS`` and ``LONG_PROMPT`` (24 and 16 new
+    tokens), computed in the background (tests/background.py): loading the reference and its generate loop are most
+    of the test."""
+    transformers = pytest.importorskip("transformers")
+    path = smollm2_gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    eos = hf.generation_config.eos_token_id
+    tokenizer, out = smollm2_tokenizer(), []
     for messages in [*PROMPTS, LONG_PROMPT]:
-        ids = f32.tokenizer.encode(f32.tokenizer.apply_chat_template(messages))
-        n = 16 if messages is LONG_PROMPT else 24
-        ours = greedy(f32.model, ids, n, eos=eos, chunk=512)
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
         with torch.inference_mode():
-            ref = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=n,
-                do_sample=False,
-            )[0, len(ids) :].tolist()
+            out.append(hf.eval().generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                          max_new_tokens=16 if messages is LONG_PROMPT else 24,
+                                          do_sample=False)[0, len(ids) :].tolist())
+    return frozenset([eos] if isinstance(eos, int) else eos), out
+
+
+@pytest.mark.model
+@background(greedy_of_transformers)
+def test_greedy_matches_transformers(f32, background_result):
+    eos, refs = background_result
+    for messages, ref in zip([*PROMPTS, LONG_PROMPT], refs, strict=True):
+        ids = f32.tokenizer.encode(f32.tokenizer.apply_chat_template(messages))
+        ours = greedy(f32.model, ids, 16 if messages is LONG_PROMPT else 24, eos=eos, chunk=512)
         assert ours == ref, (messages[-1]["content"][-60:], f32.tokenizer.decode(ours), f32.tokenizer.decode(ref))
     assert len(ids) > 1400  # the long prompt really is long, and was prefilled in 3 chunks
 
@@ -757,24 +766,34 @@ KERNEL_TESTS = ("kernel or decode_gemm or rope_write or silu or block or thread_
 NO_KERNEL_TESTS = "capabilities or decode_groups_bf16 or batch_invariance_bf16 or bad_chunk or scattered_pages"
 
 
+def rerun_kernel_tests(forced: str) -> subprocess.CompletedProcess | None:
+    """The kernel and model tests in a fresh process: with flavour ``forced`` (``KVFENCE_CPU``; None where this CPU
+    lacks it), or with no C kernels at all (a compiler that does not exist; a fresh kernel cache)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if forced == "no compiler":
+            env = {**os.environ, "CC": os.path.join(tmp, "no-such-cc"), "KVFENCE_CACHE_DIR": tmp}
+            env.pop("KVFENCE_CPU", None)
+            tests = NO_KERNEL_TESTS
+        else:
+            if not kernels._cpu_has(*kernels._FLAVOURS[forced][1]):
+                return None
+            env, tests = {**os.environ, "KVFENCE_CPU": forced}, KERNEL_TESTS
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                               "-k", f"({tests}) and not every_flavour"], env=env, capture_output=True, text=True,
+                              timeout=3000)  # it runs on idle CPU only (tests/background.py): minutes, more if busy
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # a fresh process loads the model and reruns ~20 tests; minutes on 2 shared cores
 @pytest.mark.parametrize("forced", [*(f for f in ("amx", "avx512", "avx2") if f != CAPS.flavour), "no compiler"])
-def test_every_flavour_this_cpu_can_run_passes_the_kernel_and_model_tests(forced, tmp_path):
+@background(rerun_kernel_tests)
+def test_every_flavour_this_cpu_can_run_passes_the_kernel_and_model_tests(forced, background_result):
     """A host runs its own flavour in-process (the tests above); here every other one it can run is forced
     (``KVFENCE_CPU``), and the bf16 model runs with no C kernels at all (a compiler that does not exist; a fresh
-    kernel cache)."""
-    if forced == "no compiler":
-        env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "KVFENCE_CACHE_DIR": str(tmp_path)}
-        env.pop("KVFENCE_CPU", None)
-        tests = NO_KERNEL_TESTS
-    else:
-        if not kernels._cpu_has(*kernels._FLAVOURS[forced][1]):
-            pytest.skip(f"this CPU lacks {forced}")
-        env, tests = {**os.environ, "KVFENCE_CPU": forced}, KERNEL_TESTS
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                          "-k", f"({tests}) and not every_flavour"], env=env, capture_output=True, text=True,
-                         timeout=1150)
+    kernel cache). The reruns start with the session, in the background."""
+    run = background_result
+    if run is None:
+        pytest.skip(f"this CPU lacks {forced}")
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:]
 
 

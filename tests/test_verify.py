@@ -20,6 +20,7 @@ from kvfence.protocol.router import RouterCore
 from kvfence.safety import Safety
 from kvfence.verify.explorer import explore
 from kvfence.verify.world import FAULTS, CheckConfig, Faults, RequestSpec, World
+from tests.background import background
 
 
 def unsafe(layers: str, **kw) -> CheckConfig:
@@ -50,9 +51,14 @@ def test_exploring_leaves_no_reference_cycles():
     assert found == 0, kinds
 
 
+def explore_default():
+    return explore(CheckConfig())
+
+
 @pytest.mark.slow
-def test_default_config_explores_to_completion_without_violation():
-    res = explore(CheckConfig())
+@background(explore_default)
+def test_default_config_explores_to_completion_without_violation(background_result):
+    res = background_result
     assert res.violation is None, res.report()
     assert res.complete and res.states > 50_000 and res.quiescent > 0
     text = res.report()
@@ -88,11 +94,16 @@ def test_each_layer_switched_off_gives_a_short_readable_counterexample(layer):
     assert "  1. client" in text  # numbered steps, from the first submission
 
 
+def explore_router_gate():
+    return explore(CheckConfig(router_gate=True))
+
+
 @pytest.mark.slow
-def test_the_router_queue_with_production_dispatch_limits_explores_without_violation():
+@background(explore_router_gate)
+def test_the_router_queue_with_production_dispatch_limits_explores_without_violation(background_result):
     """The router holds B in its queue until A ends (A's reservation fills the 3-page pool), through crashes,
     restarts (queued meanwhile, not failed), disconnects while queued and every data-plane fault."""
-    res = explore(CheckConfig(router_gate=True))
+    res = background_result
     assert res.ok and res.complete and res.quiescent > 0, res.report()
 
 
@@ -102,9 +113,14 @@ def test_a_prefill_with_a_smaller_context_than_the_router_is_safe_with_every_lay
     assert res.ok, res.report()
 
 
+def explore_propagation_off():
+    return explore(unsafe("propagation"))
+
+
 @pytest.mark.slow
-def test_propagation_off_is_also_caught_in_the_default_config():
-    res = explore(unsafe("propagation"))
+@background(explore_propagation_off)
+def test_propagation_off_is_also_caught_in_the_default_config(background_result):
+    res = background_result
     assert res.violation is not None and res.violation.invariant == "I3", res.report()
 
 
@@ -200,13 +216,18 @@ def test_with_one_lost_message_every_run_still_ends():
     assert res.ok and res.complete and res.quiescent > 0, res.report()
 
 
+def explore_fenced_while_running():
+    faults = Faults(**{**ONLY, "fence": 1, "lose": 1, "disconnect": 1}, total=2)
+    return explore(CheckConfig(requests=(ALICE,), faults=faults))
+
+
 @pytest.mark.slow
-def test_a_worker_declared_dead_while_it_runs_is_fenced_and_every_run_ends_clean():
+@background(explore_fenced_while_running)
+def test_a_worker_declared_dead_while_it_runs_is_fenced_and_every_run_ends_clean(background_result):
     """The router fences a live worker (paused past --worker-timeout); it runs on, its writes may land, what it sends
     carries its old epoch. Every run ends with A answered once (retried where it had no token), no page reused while
     the fenced writer may write (I2), nothing it sent under the old epoch delivered (I7), nothing leaked (I5)."""
-    res = explore(CheckConfig(requests=(ALICE,), faults=Faults(**{**ONLY, "fence": 1, "lose": 1, "disconnect": 1},
-                                                               total=2)))
+    res = background_result
     assert res.ok and res.complete and res.quiescent > 0, res.report()
 
 
