@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 _pool: Pool | None = None
-_results: dict[str, AsyncResult] = {}
+_started: dict[tuple, AsyncResult] = {}
+_results: dict[str, AsyncResult] = {}  # by test node id
 
 
 def background(job: Callable[..., Any]) -> Callable:
@@ -36,7 +37,10 @@ def background(job: Callable[..., Any]) -> Callable:
 
 
 def _worker_start() -> None:
-    """Run at the lowest priority, and quietly: progress bars and warnings would land between pytest's dots."""
+    """Run at the lowest priority, on one thread (and so the processes a job starts): of two OpenMP threads, one
+    preempted by a test stalls the other at every barrier. Quietly: progress bars would land between pytest's
+    dots."""
+    os.environ["OMP_NUM_THREADS"] = "1"
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -56,7 +60,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if _pool is None:
             _pool = multiprocessing.get_context("spawn").Pool(2, initializer=_worker_start)
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        _results[item.nodeid] = _pool.apply_async(job, kwds=params)
+        key = (job, tuple(sorted(params.items())))  # tests that name the same job and parameters share one run
+        if key not in _started:
+            _started[key] = _pool.apply_async(job, kwds=params)
+        _results[item.nodeid] = _started[key]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -119,9 +119,9 @@ def test_raw_pointers_stay_in_the_c_backend_and_the_kernels():
 
 def rerun_forced(forced: str) -> subprocess.CompletedProcess:
     """The tests above in a fresh process with ``KVFENCE_CPU=forced``, in the background (tests/background.py)."""
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "not forced"], env={**os.environ, "KVFENCE_CPU": forced}, capture_output=True, text=True,
-                          timeout=3000)  # on idle CPU only: minutes, more if the suite keeps both cores busy
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "0", __file__,
+                           "-k", "not forced"], env={**os.environ, "KVFENCE_CPU": forced}, capture_output=True,
+                          text=True, timeout=3000)  # on idle CPU only: minutes, or more
 
 
 @pytest.mark.slow

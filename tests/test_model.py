@@ -75,14 +75,6 @@ LONG_PROMPT = [{"role": "user", "content": varied_text(1100) + "\n\nSummarize th
 
 
 @pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    path = smollm2_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
 def f32():
     return smollm2(torch.float32)
 
@@ -182,39 +174,45 @@ def test_bad_chunk_is_rejected(bf16):
 # -- against transformers -------------------------------------------------------------------------------------
 
 
-@pytest.mark.model
-def test_logits_match_transformers(f32, hf):
-    for messages in (PROMPTS[0], PROMPTS[6]):
-        ids = f32.tokenizer.encode(f32.tokenizer.apply_chat_template(messages))
-        pool = KVPool(f32.config, 8, 16, torch.float32)
-        assert_close(prefill(f32.model, [ids], pool), hf_logits(hf, ids), REL_TOL)
+LOGIT_PROMPTS = (PROMPTS[0], PROMPTS[6])
 
 
-def greedy_of_transformers() -> tuple[frozenset[int], list[list[int]]]:
-    """Transformers' EOS ids and its greedy tokens for each of ``PROMPTS`` and ``LONG_PROMPT`` (24 and 16 new
-    tokens), computed in the background (tests/background.py): loading the reference and its generate loop are most
-    of the test."""
+def transformers_reference() -> dict:
+    """Transformers' float32 answers for the tests below, computed in the background (tests/background.py): loading
+    the reference and its generate loop were most of their time. The logits of ``LOGIT_PROMPTS`` (numpy: a tensor
+    would travel through shared memory); the EOS ids and the greedy tokens of each of ``PROMPTS`` and
+    ``LONG_PROMPT`` (24 and 16 new tokens)."""
     transformers = pytest.importorskip("transformers")
     path = smollm2_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    eos = hf.generation_config.eos_token_id
-    tokenizer, out = smollm2_tokenizer(), []
+    hf, tokenizer, greedy_tokens = hf.eval(), smollm2_tokenizer(), []
+    ids_of = {id(m): tokenizer.encode(tokenizer.apply_chat_template(m)) for m in [*PROMPTS, LONG_PROMPT]}
     for messages in [*PROMPTS, LONG_PROMPT]:
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+        ids = ids_of[id(messages)]
+        mask, n = torch.ones(1, len(ids), dtype=torch.long), 16 if messages is LONG_PROMPT else 24
         with torch.inference_mode():
-            out.append(hf.eval().generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                          max_new_tokens=16 if messages is LONG_PROMPT else 24,
-                                          do_sample=False)[0, len(ids) :].tolist())
-    return frozenset([eos] if isinstance(eos, int) else eos), out
+            out = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=n, do_sample=False)
+        greedy_tokens.append(out[0, len(ids) :].tolist())
+    eos = hf.generation_config.eos_token_id
+    return {"logits": [hf_logits(hf, ids_of[id(m)]).numpy() for m in LOGIT_PROMPTS], "greedy": greedy_tokens,
+            "eos": frozenset([eos] if isinstance(eos, int) else eos)}
 
 
 @pytest.mark.model
-@background(greedy_of_transformers)
-def test_greedy_matches_transformers(f32, background_result):
-    eos, refs = background_result
-    for messages, ref in zip([*PROMPTS, LONG_PROMPT], refs, strict=True):
+@background(transformers_reference)
+def test_logits_match_transformers(f32, background_result):
+    for messages, ref in zip(LOGIT_PROMPTS, background_result["logits"], strict=True):
         ids = f32.tokenizer.encode(f32.tokenizer.apply_chat_template(messages))
-        ours = greedy(f32.model, ids, 16 if messages is LONG_PROMPT else 24, eos=eos, chunk=512)
+        pool = KVPool(f32.config, 8, 16, torch.float32)
+        assert_close(prefill(f32.model, [ids], pool), torch.from_numpy(ref), REL_TOL)
+
+
+@pytest.mark.model
+@background(transformers_reference)
+def test_greedy_matches_transformers(f32, background_result):
+    for messages, ref in zip([*PROMPTS, LONG_PROMPT], background_result["greedy"], strict=True):
+        ids = f32.tokenizer.encode(f32.tokenizer.apply_chat_template(messages))
+        ours = greedy(f32.model, ids, 16 if messages is LONG_PROMPT else 24, eos=background_result["eos"], chunk=512)
         assert ours == ref, (messages[-1]["content"][-60:], f32.tokenizer.decode(ours), f32.tokenizer.decode(ref))
     assert len(ids) > 1400  # the long prompt really is long, and was prefilled in 3 chunks
 
@@ -778,9 +776,9 @@ def rerun_kernel_tests(forced: str) -> subprocess.CompletedProcess | None:
             if not kernels._cpu_has(*kernels._FLAVOURS[forced][1]):
                 return None
             env, tests = {**os.environ, "KVFENCE_CPU": forced}, KERNEL_TESTS
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                               "-k", f"({tests}) and not every_flavour"], env=env, capture_output=True, text=True,
-                              timeout=3000)  # it runs on idle CPU only (tests/background.py): minutes, more if busy
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "0",
+                               __file__, "-k", f"({tests}) and not every_flavour"], env=env, capture_output=True,
+                              text=True, timeout=3000)  # on idle CPU only (tests/background.py): minutes, or more
 
 
 @pytest.mark.slow
