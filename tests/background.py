@@ -53,6 +53,8 @@ def _worker_start() -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the jobs of the tests selected, in the order they will run."""
     global _pool
+    if session.config.option.collectonly:
+        return
     for item in session.items:
         job = getattr(getattr(item, "function", None), "background_job", None)
         if job is None:
