@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from multiprocessing.pool import AsyncResult, Pool
 from typing import Any
@@ -34,6 +36,14 @@ def background(job: Callable[..., Any]) -> Callable:
         return test
 
     return mark
+
+
+def rerun(path: str, selection: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The tests of ``path`` that ``-k selection`` picks, in a fresh pytest process with ``env``: a job's way to run
+    tests under another flavour. Their own per-test timeout is off, as idle CPU comes when it comes; the whole run
+    gets 3,000 s."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "0", path,
+                           "-k", selection], env=env, capture_output=True, text=True, timeout=3000)
 
 
 def _worker_start() -> None:

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from kvfence.model.backends import CBackend, TorchBackend, choose_backend
 from kvfence.model.batch import SeqChunk
 from kvfence.model.llama import Model
 from kvfence.model.loader import load_model
-from tests.background import background
+from tests.background import background, rerun
 from tests.tiny_models import ARCHS, greedy, tiny_model_dir
 
 CAPS = kernels.detect()
@@ -119,9 +118,7 @@ def test_raw_pointers_stay_in_the_c_backend_and_the_kernels():
 
 def rerun_forced(forced: str) -> subprocess.CompletedProcess:
     """The tests above in a fresh process with ``KVFENCE_CPU=forced``, in the background (tests/background.py)."""
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "0", __file__,
-                           "-k", "not forced"], env={**os.environ, "KVFENCE_CPU": forced}, capture_output=True,
-                          text=True, timeout=3000)  # on idle CPU only: minutes, or more
+    return rerun(__file__, "not forced", {**os.environ, "KVFENCE_CPU": forced})
 
 
 @pytest.mark.slow

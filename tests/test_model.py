@@ -25,7 +25,7 @@ from kvfence.model.gguf_file import read_gguf
 from kvfence.model.llama import Model
 from kvfence.model.loader import _unpermute_rope, load_model, smollm2_gguf_path
 from kvfence.model.memory import HUGE_PAGE, huge_pages
-from tests.background import background
+from tests.background import background, rerun
 from tests.tiny_models import ARCHS, greedy, smollm2, smollm2_tokenizer, tiny_model_dir
 
 REL_TOL = 2e-5  # float32, against transformers, relative to the largest logit
@@ -186,15 +186,18 @@ def transformers_reference() -> dict:
     path = smollm2_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     hf, tokenizer, greedy_tokens = hf.eval(), smollm2_tokenizer(), []
-    ids_of = {id(m): tokenizer.encode(tokenizer.apply_chat_template(m)) for m in [*PROMPTS, LONG_PROMPT]}
+
+    def encode(messages: list[dict]) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages))
+
     for messages in [*PROMPTS, LONG_PROMPT]:
-        ids = ids_of[id(messages)]
+        ids = encode(messages)
         mask, n = torch.ones(1, len(ids), dtype=torch.long), 16 if messages is LONG_PROMPT else 24
         with torch.inference_mode():
             out = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=n, do_sample=False)
         greedy_tokens.append(out[0, len(ids) :].tolist())
     eos = hf.generation_config.eos_token_id
-    return {"logits": [hf_logits(hf, ids_of[id(m)]).numpy() for m in LOGIT_PROMPTS], "greedy": greedy_tokens,
+    return {"logits": [hf_logits(hf, encode(m)).numpy() for m in LOGIT_PROMPTS], "greedy": greedy_tokens,
             "eos": frozenset([eos] if isinstance(eos, int) else eos)}
 
 
@@ -776,9 +779,7 @@ def rerun_kernel_tests(forced: str) -> subprocess.CompletedProcess | None:
             if not kernels._cpu_has(*kernels._FLAVOURS[forced][1]):
                 return None
             env, tests = {**os.environ, "KVFENCE_CPU": forced}, KERNEL_TESTS
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "0",
-                               __file__, "-k", f"({tests}) and not every_flavour"], env=env, capture_output=True,
-                              text=True, timeout=3000)  # on idle CPU only (tests/background.py): minutes, or more
+        return rerun(__file__, f"({tests}) and not every_flavour", env)
 
 
 @pytest.mark.slow
